@@ -1,0 +1,36 @@
+# Test helpers. Labels: unit, mpi (run under mpirun), gpu (skip loudly without a GPU), e2e.
+# A GoogleTest that calls GTEST_SKIP is reported by CTest as skipped, not passed.
+
+set(SMAT_TEST_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;NCCL_NVLS_ENABLE=0")
+
+# smat_add_gtest(NAME name SOURCES ... LIBS ... [LABELS ...] [TIMEOUT s])
+# Adds a test executable and registers it as one CTest test.
+function(smat_add_gtest)
+  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${T_NAME} ${T_SOURCES})
+  target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
+  target_compile_options(${T_NAME} PRIVATE ${SMAT_WARNINGS})
+  add_test(NAME ${T_NAME} COMMAND ${T_NAME})
+  if(NOT T_LABELS)
+    set(T_LABELS unit)
+  endif()
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 600)
+  endif()
+  set_tests_properties(${T_NAME} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+    ENVIRONMENT "${SMAT_TEST_ENV}" SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
+endfunction()
+
+# smat_add_mpi_test(NAME name TARGET exe NP n [ARGS ...] [LABELS ...] [TIMEOUT s])
+# Runs an existing executable under mpirun with n ranks (label mpi added).
+function(smat_add_mpi_test)
+  cmake_parse_arguments(T "" "NAME;TARGET;NP;TIMEOUT" "ARGS;LABELS" ${ARGN})
+  add_test(NAME ${T_NAME}
+    COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${T_NP} --oversubscribe
+            --bind-to none $<TARGET_FILE:${T_TARGET}> ${T_ARGS})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 600)
+  endif()
+  set_tests_properties(${T_NAME} PROPERTIES LABELS "mpi;${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+    ENVIRONMENT "${SMAT_TEST_ENV}" SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
+endfunction()
