@@ -72,7 +72,9 @@ class Backend {
                             const Tensor& b, float beta, Tensor& c, Stream* stream = nullptr) = 0;
 
   // --- SMat-Attention ----------------------------------------------------------------
-  virtual SmatKernels& smat() = 0;
+  // The SMat phase kernels of this device (kernels/smat_kernels.h). A backend
+  // library built without them returns FailedPrecondition saying so.
+  virtual absl::StatusOr<SmatKernels*> smat() = 0;
 };
 
 // The backend for `device`. CPU: always available. CUDA: loads libsmat_cuda.so
