@@ -16,8 +16,16 @@
 
 namespace smat {
 
+namespace {
+class MpiHandle;
+}  // namespace
+
 struct MpiCommunicator::State {
   MPI_Comm comm = MPI_COMM_NULL;
+  // Second stages of AllReduce run on their own duplicate, posted in the order
+  // the AllReduces were started (see Progress), so their matching cannot
+  // depend on when each rank happened to poll.
+  MPI_Comm stage2_comm = MPI_COMM_NULL;
   int rank = 0;
   int size = 1;
   CommOptions options;
@@ -27,15 +35,22 @@ struct MpiCommunicator::State {
   // kept, never freed, until the process ends (see the header).
   std::vector<MPI_Request> orphaned_requests;
   std::vector<Tensor> orphaned_buffers;
+  // Handles in flight, in the order they were started.
+  std::vector<MpiHandle*> active;
+
+  // Advances every handle in flight, oldest first. A handle may post a later
+  // stage on stage2_comm only if no older handle still has one to post, so
+  // those posts follow the start order on every rank.
+  void Progress();
 
   ~State() {
     // A communicator with orphaned requests must not be freed (erroneous in
     // MPI); the process is about to end through AbortJob anyway.
-    if (comm != MPI_COMM_NULL && orphaned_requests.empty()) {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
-      if (!finalized) MPI_Comm_free(&comm);
-    }
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized || !orphaned_requests.empty()) return;
+    if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+    if (stage2_comm != MPI_COMM_NULL) MPI_Comm_free(&stage2_comm);
   }
 
   void MarkBroken(const std::string& why) {
@@ -111,12 +126,15 @@ void FixedOrderSum(DType t, const void* src, int parts, int64_t n, void* dst) {
   }
 }
 
-// One collective in flight: a chain of MPI requests. Each stage posts one
-// request; when it completes, the next stage (if any) runs local work and
-// posts the next request.
+// One collective in flight: a chain of stages. Each stage posts one MPI
+// request (or none, for local work); when it completes, the next stage runs.
+// Stages marked `ordered` post on stage2_comm and wait their turn (State::Progress).
 class MpiHandle final : public CollectiveHandle {
  public:
-  using Stage = std::function<absl::Status(MPI_Request*)>;
+  struct Stage {
+    std::function<absl::Status(MPI_Request*)> post;
+    bool ordered = false;
+  };
 
   MpiHandle(std::shared_ptr<MpiCommunicator::State> state, std::string what,
             absl::Duration timeout, std::vector<Tensor> buffers)
@@ -127,15 +145,57 @@ class MpiHandle final : public CollectiveHandle {
         buffers_(std::move(buffers)) {}
 
   ~MpiHandle() override {
-    if (!done_ && request_ != MPI_REQUEST_NULL) {
+    Deregister();
+    if (!done_ && error_.ok()) {
       Orphan(absl::StrCat(what_, " was abandoned before it completed"));
     }
   }
 
-  // Posts the first stage; later stages run from Poll.
+  // Posts the first stage (never ordered) and registers with the progress engine.
   absl::Status Begin(std::vector<Stage> stages) {
     stages_ = std::move(stages);
-    return PostNext();
+    absl::Status s = stages_[next_stage_++].post(&request_);
+    if (!s.ok()) return Fail(s);
+    state_->active.push_back(this);
+    return absl::OkStatus();
+  }
+
+  // One step of progress: tests the current request; posts the next stage when
+  // it completed (ordered stages only when `may_post_ordered`).
+  void Step(bool may_post_ordered) {
+    if (done_ || !error_.ok()) return;
+    if (!stage_complete_) {
+      int flag = 0;
+      int rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        Fail(absl::UnavailableError(
+            absl::StrCat(what_, " failed on rank ", state_->rank, ": ", MpiErrorString(rc))));
+        return;
+      }
+      if (!flag) return;
+      request_ = MPI_REQUEST_NULL;
+      stage_complete_ = true;
+    }
+    if (next_stage_ == stages_.size()) {
+      done_ = true;
+      Deregister();
+      return;
+    }
+    if (stages_[next_stage_].ordered && !may_post_ordered) return;
+    absl::Status s = stages_[next_stage_++].post(&request_);
+    if (!s.ok()) {
+      Fail(s);
+      return;
+    }
+    stage_complete_ = false;
+  }
+
+  bool HasUnpostedOrderedStage() const {
+    if (done_ || !error_.ok()) return false;
+    for (size_t i = next_stage_; i < stages_.size(); ++i) {
+      if (stages_[i].ordered) return true;
+    }
+    return false;
   }
 
   absl::StatusOr<bool> Poll() override {
@@ -145,21 +205,9 @@ class MpiHandle final : public CollectiveHandle {
       return Fail(absl::AbortedError(absl::StrCat(what_, ": communicator was aborted: ",
                                                   state_->broken)));
     }
-    int flag = 0;
-    int rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) {
-      return Fail(absl::UnavailableError(
-          absl::StrCat(what_, " failed on rank ", state_->rank, ": ", MpiErrorString(rc))));
-    }
-    if (!flag) return false;
-    request_ = MPI_REQUEST_NULL;
-    if (next_stage_ < stages_.size()) {
-      absl::Status s = PostNext();
-      if (!s.ok()) return Fail(s);
-      return false;
-    }
-    done_ = true;
-    return true;
+    state_->Progress();
+    if (!error_.ok()) return error_;
+    return done_;
   }
 
   absl::Status Wait() override {
@@ -185,22 +233,28 @@ class MpiHandle final : public CollectiveHandle {
   }
 
  private:
-  absl::Status PostNext() {
-    Stage& stage = stages_[next_stage_++];
-    return stage(&request_);
+  void Deregister() {
+    auto& a = state_->active;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i] == this) {
+        a.erase(a.begin() + i);
+        break;
+      }
+    }
   }
 
   void Orphan(const std::string& why) {
     if (request_ != MPI_REQUEST_NULL) {
       state_->orphaned_requests.push_back(request_);
-      for (Tensor& t : buffers_) state_->orphaned_buffers.push_back(t);
       request_ = MPI_REQUEST_NULL;
     }
+    for (Tensor& t : buffers_) state_->orphaned_buffers.push_back(t);
     state_->MarkBroken(why);
   }
 
   absl::Status Fail(absl::Status s) {
     error_ = s;
+    Deregister();
     Orphan(std::string(s.message()));
     return s;
   }
@@ -213,6 +267,7 @@ class MpiHandle final : public CollectiveHandle {
   std::vector<Stage> stages_;
   size_t next_stage_ = 0;
   MPI_Request request_ = MPI_REQUEST_NULL;
+  bool stage_complete_ = false;
   bool done_ = false;
   absl::Status error_;
 };
@@ -259,6 +314,15 @@ void EvenBlocks(int64_t n, int parts, std::vector<int>* counts, std::vector<int>
 }
 
 }  // namespace
+
+void MpiCommunicator::State::Progress() {
+  std::vector<MpiHandle*> snapshot = active;  // Step may deregister
+  bool may_post_ordered = true;
+  for (MpiHandle* h : snapshot) {
+    h->Step(may_post_ordered);
+    if (h->HasUnpostedOrderedStage()) may_post_ordered = false;
+  }
+}
 
 // --- MpiSession ------------------------------------------------------------------
 
@@ -320,6 +384,8 @@ absl::StatusOr<std::unique_ptr<MpiCommunicator>> MpiCommunicator::Create(MPI_Com
   state->options = std::move(options);
   SMAT_RETURN_IF_ERROR(CheckMpi(MPI_Comm_dup(parent, &state->comm), "MPI_Comm_dup"));
   MPI_Comm_set_errhandler(state->comm, MPI_ERRORS_RETURN);
+  SMAT_RETURN_IF_ERROR(CheckMpi(MPI_Comm_dup(parent, &state->stage2_comm), "MPI_Comm_dup"));
+  MPI_Comm_set_errhandler(state->stage2_comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(state->comm, &state->rank);
   MPI_Comm_size(state->comm, &state->size);
   return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(std::move(state)));
@@ -380,24 +446,25 @@ absl::StatusOr<std::unique_ptr<CollectiveHandle>> MpiCommunicator::StartAllReduc
                                             std::vector<Tensor>{data, gathered, block});
   MPI_Datatype type = MpiType(dt);
   MPI_Comm comm = st->comm;
+  MPI_Comm comm2 = st->stage2_comm;
   auto recv_counts = std::make_shared<std::vector<int>>(P, mine);
   auto recv_displs = std::make_shared<std::vector<int>>(P);
   for (int i = 0; i < P; ++i) (*recv_displs)[i] = i * mine;
   std::vector<MpiHandle::Stage> stages;
   // Stage 1: every rank sends block j of its data to rank j.
-  stages.push_back([=](MPI_Request* req) {
+  stages.push_back({[=](MPI_Request* req) {
     return CheckMpi(MPI_Ialltoallv(data.raw(), counts->data(), displs->data(), type,
                                    gathered.raw(), recv_counts->data(), recv_displs->data(),
                                    type, comm, req),
                     "MPI_Ialltoallv");
-  });
+  }});
   // Stage 2: sum this rank's block over ranks in order, then share it.
-  stages.push_back([=](MPI_Request* req) {
+  stages.push_back({[=](MPI_Request* req) {
     FixedOrderSum(dt, gathered.raw(), P, mine, block.raw());
     return CheckMpi(MPI_Iallgatherv(block.raw(), mine, type, data.raw(), counts->data(),
-                                    displs->data(), type, comm, req),
+                                    displs->data(), type, comm2, req),
                     "MPI_Iallgatherv");
-  });
+  }, /*ordered=*/true});
   SMAT_RETURN_IF_ERROR(handle->Begin(std::move(stages)));
   return std::unique_ptr<CollectiveHandle>(std::move(handle));
 }
@@ -419,10 +486,10 @@ absl::StatusOr<std::unique_ptr<CollectiveHandle>> MpiCommunicator::StartAllGathe
   MPI_Datatype type = MpiType(send.dtype());
   MPI_Comm comm = state_->comm;
   const int n = static_cast<int>(send.numel());
-  SMAT_RETURN_IF_ERROR(handle->Begin({[=](MPI_Request* req) {
+  SMAT_RETURN_IF_ERROR(handle->Begin({{[=](MPI_Request* req) {
     return CheckMpi(MPI_Iallgather(send.raw(), n, type, recv.raw(), n, type, comm, req),
                     "MPI_Iallgather");
-  }}));
+  }}}));
   return std::unique_ptr<CollectiveHandle>(std::move(handle));
 }
 
@@ -449,17 +516,17 @@ absl::StatusOr<std::unique_ptr<CollectiveHandle>> MpiCommunicator::StartReduceSc
   MPI_Datatype type = MpiType(dt);
   MPI_Comm comm = state_->comm;
   std::vector<MpiHandle::Stage> stages;
-  stages.push_back([=](MPI_Request* req) {
+  stages.push_back({[=](MPI_Request* req) {
     return CheckMpi(MPI_Ialltoall(send.raw(), n, type, gathered.raw(), n, type, comm, req),
                     "MPI_Ialltoall");
-  });
+  }});
   // The sum is a last stage with no message (a null request tests complete at
   // once), so Wait returns only once recv holds the result.
-  stages.push_back([=](MPI_Request* req) {
+  stages.push_back({[=](MPI_Request* req) {
     FixedOrderSum(dt, gathered.raw(), P, n, recv.raw());
     *req = MPI_REQUEST_NULL;  // MPI_Test on a null request completes at once
     return absl::OkStatus();
-  });
+  }});
   SMAT_RETURN_IF_ERROR(handle->Begin(std::move(stages)));
   return std::unique_ptr<CollectiveHandle>(std::move(handle));
 }
@@ -479,9 +546,9 @@ absl::StatusOr<std::unique_ptr<CollectiveHandle>> MpiCommunicator::StartBroadcas
   MPI_Datatype type = MpiType(data.dtype());
   MPI_Comm comm = state_->comm;
   const int n = static_cast<int>(data.numel());
-  SMAT_RETURN_IF_ERROR(handle->Begin({[=](MPI_Request* req) {
+  SMAT_RETURN_IF_ERROR(handle->Begin({{[=](MPI_Request* req) {
     return CheckMpi(MPI_Ibcast(data.raw(), n, type, root, comm, req), "MPI_Ibcast");
-  }}));
+  }}}));
   return std::unique_ptr<CollectiveHandle>(std::move(handle));
 }
 
@@ -491,9 +558,9 @@ absl::StatusOr<std::unique_ptr<CollectiveHandle>> MpiCommunicator::StartBarrier(
   SMAT_RETURN_IF_ERROR(BeginCall(*state_, &what, "Barrier"));
   auto handle = std::make_unique<MpiHandle>(state_, what, timeout, std::vector<Tensor>{});
   MPI_Comm comm = state_->comm;
-  SMAT_RETURN_IF_ERROR(handle->Begin({[=](MPI_Request* req) {
+  SMAT_RETURN_IF_ERROR(handle->Begin({{[=](MPI_Request* req) {
     return CheckMpi(MPI_Ibarrier(comm, req), "MPI_Ibarrier");
-  }}));
+  }}}));
   return std::unique_ptr<CollectiveHandle>(std::move(handle));
 }
 
