@@ -87,4 +87,12 @@ absl::Status SmatBackward(Backend& backend, const SmatPlan& plan, const SmatInpu
                           const Tensor& d_o,  // [batch, T, H, dv] fp32
                           SmatGradients* grads, Stream* stream = nullptr);
 
+// The same with an explicit phase implementation (backend provides memory and
+// Fill; kernels must run on its device), e.g. to compare two implementations.
+absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
+                         const SmatInputs& in, SmatForwardOutputs* fwd, Stream* stream = nullptr);
+absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
+                          const SmatInputs& in, const SmatForwardOutputs& fwd, const Tensor& d_o,
+                          SmatGradients* grads, Stream* stream = nullptr);
+
 }  // namespace smat

@@ -161,7 +161,7 @@ class SmatKernels {
   virtual absl::Status ChunkScan(const SmatPlan& plan, const SmatSpan& span,
                                  const Tensor& D,            // [batch, Lc, H, r, p]
                                  const Tensor& chunk_decay,  // [batch, Lc, H] or undefined
-                                 const Tensor& incoming,     // [batch, 2, H, r, p]
+                                 const Tensor& incoming,     // [batch, 2, H, r, p] or undefined (0)
                                  Tensor* S_in,               // [batch, Lc, H, r, p] or null
                                  Tensor* span_state,         // [batch, 2, H, r, p]
                                  Tensor* span_decay,         // [batch, 2, H]
@@ -233,7 +233,7 @@ class SmatKernels {
                                          const Tensor& den,  // [batch, L, H]
                                          float eps,
                                          Tensor* gbar,      // [batch, L, H, p]
-                                         Tensor* dlam_row,  // [batch, L, H]
+                                         Tensor* dlam_row,  // [batch, L, H] or null (ungated)
                                          Stream* stream) = 0;
 
   // B2. Adjoint of the per-type reads (eq. 18), for the span's recent t:
@@ -294,7 +294,7 @@ class SmatKernels {
   virtual absl::Status ChunkScanBackward(const SmatPlan& plan, const SmatSpan& span,
                                          const Tensor& S_in_bar,       // [batch, Lc, H, r, p]
                                          const Tensor& chunk_decay,    // [batch, Lc, H] or undefined
-                                         const Tensor& incoming_grad,  // [batch, 2, H, r, p]
+                                         const Tensor& incoming_grad,  // [batch, 2, H, r, p] or undefined (0)
                                          Tensor* D_bar,                // [batch, Lc, H, r, p]
                                          Tensor* span_state_grad,      // [batch, 2, H, r, p]
                                          Stream* stream) = 0;

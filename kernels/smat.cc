@@ -1,0 +1,228 @@
+// SMat-Attention on one device: span validation, input checks, and the
+// forward / backward op composed from the SmatKernels phases over the single
+// span [0, T) (see kernels/smat.h; the phase order is Algorithm 1's and its
+// adjoint's, Appendix E).
+#include "kernels/smat.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace smat {
+
+absl::Status ValidateSmatSpan(const SmatPlan& plan, const SmatSpan& span) {
+  const int64_t c = plan.chunk;
+  if (span.t0 < 0 || span.t0 >= span.t1 || span.t1 > plan.T) {
+    return absl::InvalidArgumentError(absl::StrCat("smat: span [", span.t0, ", ", span.t1,
+                                                   ") must satisfy 0 <= t0 < t1 <= T = ", plan.T));
+  }
+  if (span.t0 % c != 0 || (span.t1 != plan.T && span.t1 % c != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "smat: span [", span.t0, ", ", span.t1, ") must start on a chunk boundary and end on one "
+        "or at T = ", plan.T, " (chunk ", c, "); e.g. [", (span.t0 / c) * c, ", ",
+        span.t1 == plan.T ? plan.T : (span.t1 / c) * c, ")"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status CheckTokens(const Tensor& t, const char* name, int64_t batch, int64_t L, int64_t H,
+                         int64_t last, Device device, bool features) {
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat("smat: ", name, " is missing"));
+  if (!(t.device() == device)) {
+    return absl::InvalidArgumentError(absl::StrCat("smat: ", name, " is on ", t.device().ToString(),
+                                                   ", expected ", device.ToString()));
+  }
+  if (features && t.dtype() != DType::kF32 && t.dtype() != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("smat: ", name, " must be fp32 or bf16; got ", t.DebugString()));
+  }
+  Shape shape = {batch, L, H};
+  if (last >= 0) shape.push_back(last);
+  return CheckShape(t, shape, name);
+}
+
+absl::StatusOr<Tensor> Alloc(Backend& backend, Shape shape) {
+  return Tensor::Empty(std::move(shape), DType::kF32, backend.allocator());
+}
+
+absl::StatusOr<Tensor> Zeros(Backend& backend, Shape shape, Stream* stream) {
+  SMAT_ASSIGN_OR_RETURN(Tensor t, Alloc(backend, std::move(shape)));
+  SMAT_RETURN_IF_ERROR(backend.Fill(t, 0.0, stream));
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<SmatDims> CheckSmatInputs(const SmatPlan& plan, const SmatSpan& span,
+                                         const SmatInputs& in) {
+  SMAT_RETURN_IF_ERROR(ValidateSmatSpan(plan, span));
+  if (!in.phi.defined() || in.phi.rank() != 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "smat: phi must be [batch, L, H, r]; got ",
+        in.phi.defined() ? in.phi.DebugString() : std::string("nothing")));
+  }
+  if (!in.v.defined() || in.v.rank() != 4) {
+    return absl::InvalidArgumentError("smat: v must be [batch, L, H, dv]");
+  }
+  SmatDims d;
+  d.batch = in.phi.dim(0);
+  d.L = span.length();
+  d.Lc = span.num_chunks(plan);
+  d.H = in.phi.dim(2);
+  d.r = in.phi.dim(3);
+  d.dv = in.v.dim(3);
+  d.p = d.dv + 1;
+  const Device dev = in.phi.device();
+  SMAT_RETURN_IF_ERROR(CheckTokens(in.phi, "phi", d.batch, d.L, d.H, d.r, dev, true));
+  SMAT_RETURN_IF_ERROR(CheckTokens(in.psi, "psi", d.batch, d.L, d.H, d.r, dev, true));
+  SMAT_RETURN_IF_ERROR(CheckTokens(in.v, "v", d.batch, d.L, d.H, d.dv, dev, true));
+  if (in.psi.dtype() != in.phi.dtype() || in.v.dtype() != in.phi.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "smat: phi, psi and v must share one dtype; got ", in.phi.DebugString(), ", ",
+        in.psi.DebugString(), ", ", in.v.DebugString()));
+  }
+  if (d.r < 1 || d.dv < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("smat: need r >= 1 and dv >= 1; got r = ", d.r, ", dv = ", d.dv));
+  }
+  if (in.logg.defined()) {
+    SMAT_RETURN_IF_ERROR(CheckTokens(in.logg, "logg", d.batch, d.L, d.H, -1, dev, false));
+    if (in.logg.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError("smat: logg must be fp32 log-gates <= 0");
+    }
+  }
+  for (const auto& [t, name] : {std::pair{&in.prof, "prof"}, std::pair{&in.type, "type"}}) {
+    if (!t->defined()) continue;
+    SMAT_RETURN_IF_ERROR(CheckTokens(*t, name, d.batch, d.L, d.H, -1, dev, false));
+    if (t->dtype() != DType::kI32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("smat: ", name, " must be int32 ids; got ", t->DebugString()));
+    }
+  }
+  if (!(in.eps >= 0.f)) {
+    return absl::InvalidArgumentError(absl::StrCat("smat: eps must be >= 0; got ", in.eps));
+  }
+  return d;
+}
+
+absl::Status SmatForward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
+                         SmatForwardOutputs* fwd, Stream* stream) {
+  SMAT_ASSIGN_OR_RETURN(SmatKernels * k, backend.smat());
+  return SmatForward(backend, *k, plan, in, fwd, stream);
+}
+
+absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
+                         const SmatInputs& in, SmatForwardOutputs* fwd, Stream* stream) {
+  SMAT_CHECK(fwd != nullptr);
+  const SmatSpan span = SmatSpan::Whole(plan);
+  SMAT_ASSIGN_OR_RETURN(SmatDims d, CheckSmatInputs(plan, span, in));
+  SmatKernels* k = &kernels;
+  const int64_t P = plan.geo.P, B = plan.geo.B;
+  SmatSaved& sv = fwd->saved;
+  sv = SmatSaved();
+
+  // Lemma 4: the chunk-local log-decay prefix, once.
+  if (in.logg.defined()) {
+    SMAT_ASSIGN_OR_RETURN(sv.lam, Alloc(backend, {d.batch, d.L, d.H}));
+    SMAT_ASSIGN_OR_RETURN(sv.chunk_decay, Alloc(backend, {d.batch, d.Lc, d.H}));
+    SMAT_RETURN_IF_ERROR(k->ChunkLogDecay(plan, span, in.logg, &sv.lam, &sv.chunk_decay, stream));
+  }
+  // Causal branch states: summaries and the exclusive scan (steps 5, 6).
+  SMAT_ASSIGN_OR_RETURN(Tensor D, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(
+      k->ChunkSummaries(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, &D, stream));
+  SMAT_ASSIGN_OR_RETURN(sv.S_in, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor span_state, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor span_decay, Alloc(backend, {d.batch, 2, d.H}));
+  SMAT_RETURN_IF_ERROR(k->ChunkScan(plan, span, D, sv.chunk_decay, Tensor(), &sv.S_in,
+                                    &span_state, &span_decay, stream));
+  // Long-range branch tables: pooling and tabulation (steps 2, 3). One span
+  // ends its distant part at n - 1, so F is already referred to Lambda_{n-1}.
+  SMAT_ASSIGN_OR_RETURN(Tensor F, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay,
+                                         in.prof, &F, stream));
+  SMAT_ASSIGN_OR_RETURN(sv.U, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
+  // Outputs: chunk-local part, per-type reads, one division (steps 4, 7).
+  SMAT_ASSIGN_OR_RETURN(Tensor ybar, Alloc(backend, {d.batch, d.L, d.H, d.p}));
+  SMAT_RETURN_IF_ERROR(
+      k->ChunkOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.S_in, &ybar, stream));
+  SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, sv.U, sv.lam, sv.chunk_decay, Tensor(),
+                                    in.type, &ybar, stream));
+  SMAT_ASSIGN_OR_RETURN(fwd->o, Tensor::Empty({d.batch, d.L, d.H, d.dv}, in.v.dtype(),
+                                              backend.allocator()));
+  SMAT_ASSIGN_OR_RETURN(sv.den, Alloc(backend, {d.batch, d.L, d.H}));
+  return k->Normalize(ybar, in.eps, &fwd->o, &sv.den, stream);
+}
+
+absl::Status SmatBackward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
+                          const SmatForwardOutputs& fwd, const Tensor& d_o, SmatGradients* grads,
+                          Stream* stream) {
+  SMAT_ASSIGN_OR_RETURN(SmatKernels * k, backend.smat());
+  return SmatBackward(backend, *k, plan, in, fwd, d_o, grads, stream);
+}
+
+absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
+                          const SmatInputs& in, const SmatForwardOutputs& fwd, const Tensor& d_o,
+                          SmatGradients* grads, Stream* stream) {
+  SMAT_CHECK(grads != nullptr);
+  const SmatSpan span = SmatSpan::Whole(plan);
+  SMAT_ASSIGN_OR_RETURN(SmatDims d, CheckSmatInputs(plan, span, in));
+  SmatKernels* k = &kernels;
+  const int64_t P = plan.geo.P, B = plan.geo.B;
+  const SmatSaved& sv = fwd.saved;
+  const bool gated = in.logg.defined();
+  if (!sv.S_in.defined() || !sv.U.defined() || !sv.den.defined() || !fwd.o.defined() ||
+      gated != sv.lam.defined()) {
+    return absl::InvalidArgumentError(
+        "smat: SmatBackward needs the outputs of SmatForward on the same inputs");
+  }
+
+  // The division's Jacobian (Appendix E).
+  SMAT_ASSIGN_OR_RETURN(Tensor gbar, Alloc(backend, {d.batch, d.L, d.H, d.p}));
+  Tensor dlam_row;
+  if (gated) {
+    SMAT_ASSIGN_OR_RETURN(dlam_row, Alloc(backend, {d.batch, d.L, d.H}));
+  }
+  SMAT_RETURN_IF_ERROR(k->NormalizeBackward(d_o, fwd.o, sv.den, in.eps, &gbar,
+                                            gated ? &dlam_row : nullptr, stream));
+  *grads = SmatGradients();
+  SMAT_ASSIGN_OR_RETURN(grads->phi, Zeros(backend, {d.batch, d.L, d.H, d.r}, stream));
+  SMAT_ASSIGN_OR_RETURN(grads->psi, Zeros(backend, {d.batch, d.L, d.H, d.r}, stream));
+  SMAT_ASSIGN_OR_RETURN(grads->v, Zeros(backend, {d.batch, d.L, d.H, d.dv}, stream));
+
+  // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar, gather to tokens.
+  SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
+                                            sv.chunk_decay, Tensor(), in.type, &grads->phi,
+                                            &U_bar, stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+  SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, sv.lam,
+                                                 sv.chunk_decay, Tensor(), in.prof, F_bar,
+                                                 &grads->psi, &grads->v, stream));
+
+  // Causal branch, eq. 19: state gradients, the suffix scan, the tiles.
+  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->ChunkStateGradients(plan, span, in.phi, gbar, sv.lam, &S_in_bar,
+                                              stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor D_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor state_grad, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, sv.chunk_decay, Tensor(),
+                                            &D_bar, &state_grad, stream));
+  SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(plan, span, in.phi, in.psi, in.v, sv.lam,
+                                               sv.chunk_decay, sv.S_in, gbar, D_bar,
+                                               &grads->phi, &grads->psi, &grads->v, stream));
+
+  // Gates last: dL/dLambda needs the complete psi_bar.
+  if (gated) {
+    SMAT_ASSIGN_OR_RETURN(grads->logg, Alloc(backend, {d.batch, d.L, d.H}));
+    SMAT_ASSIGN_OR_RETURN(Tensor span_sum, Alloc(backend, {d.batch, d.H}));
+    SMAT_RETURN_IF_ERROR(k->LogDecayBackward(plan, span, in.psi, grads->psi, dlam_row, Tensor(),
+                                             &grads->logg, &span_sum, stream));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace smat

@@ -1,0 +1,267 @@
+// The CPU SMat phases and the composed op (kernels/smat.h) against the double
+// references: outputs and every gradient under random upstream gradients, at
+// odd sizes, gated and not, positional and content maps; intermediate states
+// and tables against direct double sums; argument errors; determinism.
+#include "kernels/cpu/smat_cpu.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/smat_reference.h"
+#include "kernels/smat.h"
+#include "tests/kernels/smat_test_util.h"
+
+namespace smat {
+namespace {
+
+using testing_util::MaxAbs;
+using testing_util::MaxRelError;
+using testing_util::ProblemSpec;
+using testing_util::RandomProblem;
+using testing_util::RandomVector;
+using testing_util::RoundToF32;
+using testing_util::ToDouble;
+using testing_util::ToF32;
+using testing_util::ToI32;
+
+// fp32 against double on the same (fp32-rounded) inputs. Every sum the kernels
+// form has nonnegative weights (features and gates are >= 0), so ybar's
+// relative error grows like sqrt(K) u for K summed terms, u = 2^-24 = 6e-8
+// (worst case K u): measured against max|o| the outputs stay below 2.3e-7 for
+// T <= 1031 (r = 60, c = 128 the worst); 2e-6 leaves room for other seeds.
+// Gradients chain more products and subtract terms of both signs (v and d_o
+// have random signs): measured below 1.6e-6 (the logg gradient, a suffix sum
+// of T row-minus-column terms); 1e-5.
+constexpr double kOutputTol = 2e-6;
+constexpr double kGradTol = 1e-5;
+
+struct OpRun {
+  std::vector<double> o, d_phi, d_psi, d_v, d_logg;
+};
+
+SmatInputs MakeInputs(const SmatReferenceProblem& pr) {
+  SmatInputs in;
+  const Shape tok = {pr.batch, pr.T, pr.H};
+  in.phi = ToF32(pr.phi, {pr.batch, pr.T, pr.H, pr.r});
+  in.psi = ToF32(pr.psi, {pr.batch, pr.T, pr.H, pr.r});
+  in.v = ToF32(pr.v, {pr.batch, pr.T, pr.H, pr.dv});
+  if (pr.gated()) in.logg = ToF32(pr.logg, tok);
+  if (!pr.prof.empty()) in.prof = ToI32(pr.prof, tok);
+  if (!pr.type.empty()) in.type = ToI32(pr.type, tok);
+  in.eps = static_cast<float>(pr.eps);
+  return in;
+}
+
+OpRun RunOp(const SmatPlan& plan, const SmatReferenceProblem& pr, const std::vector<double>& d_o) {
+  auto backend = CreateBackend(Device::Cpu());
+  SMAT_CHECK(backend.ok());
+  std::unique_ptr<SmatKernels> kernels = MakeCpuSmatKernels();
+  const SmatInputs in = MakeInputs(pr);
+  SmatForwardOutputs fwd;
+  absl::Status st = SmatForward(**backend, *kernels, plan, in, &fwd);
+  EXPECT_TRUE(st.ok()) << st;
+  SmatGradients grads;
+  st = SmatBackward(**backend, *kernels, plan, in, fwd, ToF32(d_o, {pr.batch, pr.T, pr.H, pr.dv}),
+                    &grads);
+  EXPECT_TRUE(st.ok()) << st;
+  OpRun run;
+  if (!st.ok()) return run;
+  run.o = ToDouble(fwd.o);
+  run.d_phi = ToDouble(grads.phi);
+  run.d_psi = ToDouble(grads.psi);
+  run.d_v = ToDouble(grads.v);
+  if (pr.gated()) run.d_logg = ToDouble(grads.logg);
+  return run;
+}
+
+void CheckOpAgainstReference(const ProblemSpec& s) {
+  SCOPED_TRACE(s.Name());
+  auto plan = MakeSmatPlan(s.T, s.d, s.chunk);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  SmatReferenceProblem pr = RandomProblem(*plan, s);
+  RoundToF32(&pr);
+  std::vector<double> d_o = RandomVector(pr.batch * pr.T * pr.H * pr.dv, s.seed + 99);
+  for (double& x : d_o) x = static_cast<float>(x);
+  const SmatReferenceOutputs ref = SmatDenseReference(*plan, pr);
+  const SmatReferenceGradients gref = SmatDenseReferenceBackward(*plan, pr, d_o);
+  const OpRun run = RunOp(*plan, pr, d_o);
+  ASSERT_FALSE(run.o.empty());
+  ASSERT_GT(MaxAbs(ref.o), 0.0);
+  EXPECT_LT(MaxRelError(run.o, ref.o), kOutputTol);
+  EXPECT_LT(MaxRelError(run.d_phi, gref.phi), kGradTol);
+  EXPECT_LT(MaxRelError(run.d_psi, gref.psi), kGradTol);
+  EXPECT_LT(MaxRelError(run.d_v, gref.v), kGradTol);
+  if (s.gated && s.T == 1) {
+    // logg_0 shifts every Lambda alike: its gradient is 0 up to the fp32
+    // rounding of row - psi . psi_bar (terms of size ~1).
+    EXPECT_LT(MaxAbs(run.d_logg), 1e-6);
+  } else if (s.gated) {
+    ASSERT_GT(MaxAbs(gref.logg), 0.0);
+    EXPECT_LT(MaxRelError(run.d_logg, gref.logg), kGradTol);
+  }
+  if (getenv("SMAT_TEST_VERBOSE") != nullptr) {
+    printf("%-50s o %.2e phi %.2e psi %.2e v %.2e logg %.2e\n", s.Name().c_str(),
+           MaxRelError(run.o, ref.o), MaxRelError(run.d_phi, gref.phi),
+           MaxRelError(run.d_psi, gref.psi), MaxRelError(run.d_v, gref.v),
+           s.gated && s.T > 1 ? MaxRelError(run.d_logg, gref.logg) : 0.0);
+  }
+}
+
+TEST(SmatCpuTest, OpMatchesDenseReferenceSmall) {
+  for (bool gated : {false, true}) {
+    for (bool content : {false, true}) {
+      // T = 1 with eps > 0: with eps = 0, o_0 = v_0 and the phi/psi gradients vanish.
+      CheckOpAgainstReference({.T = 1, .d = 1, .chunk = 16, .gated = gated, .content = content,
+                               .eps = 0.5});
+      CheckOpAgainstReference({.T = 63, .d = 1, .chunk = 16, .gated = gated, .content = content,
+                               .eps = 0.25});
+      CheckOpAgainstReference({.T = 63, .d = 2, .chunk = 16, .gated = gated, .content = content});
+      CheckOpAgainstReference({.batch = 2, .T = 127, .H = 2, .r = 60, .dv = 7, .d = 2,
+                               .chunk = 32, .gated = gated, .content = content});
+      CheckOpAgainstReference({.T = 127, .H = 1, .r = 60, .dv = 5, .d = 3, .chunk = 16,
+                               .gated = gated, .content = content, .eps = 0.1});
+    }
+  }
+}
+
+TEST(SmatCpuTest, OpMatchesDenseReferenceLong) {
+  for (bool gated : {false, true}) {
+    CheckOpAgainstReference({.T = 1000, .H = 1, .r = 8, .dv = 4, .d = 2, .chunk = 64,
+                             .gated = gated, .seed = 3});
+    CheckOpAgainstReference({.T = 1000, .H = 1, .r = 6, .dv = 3, .d = 4, .chunk = 32,
+                             .gated = gated, .content = true, .seed = 4});
+    CheckOpAgainstReference({.T = 1031, .H = 1, .r = 60, .dv = 3, .d = 3, .chunk = 128,
+                             .gated = gated, .seed = 5});
+    CheckOpAgainstReference({.T = 1031, .H = 1, .r = 5, .dv = 2, .d = 1, .chunk = 16,
+                             .gated = gated, .content = true, .seed = 6});
+  }
+}
+
+// Intermediate states against direct double sums (phase by phase): chunk
+// incoming states S_in (eq. 10, Lemma 4), the profile table F (eq. 9, referred
+// to Lambda_{n-1}) and U = C F.
+TEST(SmatCpuTest, PhaseStatesMatchDirectSums) {
+  for (bool gated : {false, true}) {
+    const ProblemSpec s{.batch = 1, .T = 203, .H = 2, .r = 4, .dv = 3, .d = 2, .chunk = 16,
+                        .gated = gated, .content = true, .seed = 11};
+    SCOPED_TRACE(s.Name());
+    auto plan = MakeSmatPlan(s.T, s.d, s.chunk);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    SmatReferenceProblem pr = RandomProblem(*plan, s);
+    RoundToF32(&pr);
+    auto backend = CreateBackend(Device::Cpu());
+    ASSERT_TRUE(backend.ok());
+    std::unique_ptr<SmatKernels> k = MakeCpuSmatKernels();
+    SmatForwardOutputs fwd;
+    ASSERT_TRUE(SmatForward(**backend, *k, *plan, MakeInputs(pr), &fwd).ok());
+    const int64_t p = pr.p(), r = pr.r, c = plan->chunk, n = plan->n, Nc = plan->num_chunks;
+    const SmatGeometry& g = plan->geo;
+    std::vector<double> S_ref(pr.batch * Nc * pr.H * r * p, 0.0), F_ref(pr.H * g.P * r * p, 0.0);
+    for (int64_t h = 0; h < pr.H; ++h) {
+      std::vector<double> Lambda(pr.T);
+      double acc = 0.0;
+      for (int64_t t = 0; t < pr.T; ++t) {
+        acc += gated ? pr.logg[t * pr.H + h] : 0.0;
+        Lambda[t] = acc;
+      }
+      auto add_z = [&](double* M, int64_t s2, double w) {
+        for (int64_t i = 0; i < r; ++i) {
+          for (int64_t kk = 0; kk < p; ++kk) {
+            const double vb = kk < pr.dv ? pr.v[(s2 * pr.H + h) * pr.dv + kk] : 1.0;
+            M[i * p + kk] += w * pr.psi[(s2 * pr.H + h) * r + i] * vb;
+          }
+        }
+      };
+      for (int64_t kc = 0; kc < Nc; ++kc) {
+        const int64_t start = kc * c, block_start = start < n ? 0 : n;
+        for (int64_t s2 = block_start; s2 < start; ++s2) {
+          add_z(&S_ref[(kc * pr.H + h) * r * p], s2, std::exp(Lambda[start - 1] - Lambda[s2]));
+        }
+      }
+      for (int64_t s2 = 0; s2 < n; ++s2) {
+        add_z(&F_ref[(h * g.P + pr.Profile(*plan, 0, h, s2)) * r * p], s2,
+              std::exp(Lambda[n - 1] - Lambda[s2]));
+      }
+    }
+    EXPECT_LT(MaxRelError(ToDouble(fwd.saved.S_in), S_ref), 1e-5);
+    std::vector<double> U_ref(pr.H * g.B * r * p, 0.0);
+    for (int64_t h = 0; h < pr.H; ++h) {
+      for (int64_t y = 0; y < g.B; ++y) {
+        for (int64_t x = 0; x < g.P; ++x) {
+          if (!g.Incident(y, x)) continue;
+          for (int64_t w = 0; w < r * p; ++w) {
+            U_ref[(h * g.B + y) * r * p + w] += F_ref[(h * g.P + x) * r * p + w];
+          }
+        }
+      }
+    }
+    ASSERT_GT(MaxAbs(U_ref), 0.0);
+    EXPECT_LT(MaxRelError(ToDouble(fwd.saved.U), U_ref), 1e-5);
+  }
+}
+
+TEST(SmatCpuTest, RepeatedRunsAreBitwiseEqual) {
+  const ProblemSpec s{.batch = 2, .T = 301, .H = 2, .r = 9, .dv = 4, .d = 2, .chunk = 32,
+                      .gated = true, .content = true};
+  auto plan = MakeSmatPlan(s.T, s.d, s.chunk);
+  ASSERT_TRUE(plan.ok());
+  const SmatReferenceProblem pr = RandomProblem(*plan, s);
+  const std::vector<double> d_o = RandomVector(pr.batch * pr.T * pr.H * pr.dv, 5);
+  const OpRun a = RunOp(*plan, pr, d_o), b = RunOp(*plan, pr, d_o);
+  ASSERT_GT(MaxAbs(a.o), 0.0);
+  EXPECT_EQ(a.o, b.o);
+  EXPECT_EQ(a.d_phi, b.d_phi);
+  EXPECT_EQ(a.d_psi, b.d_psi);
+  EXPECT_EQ(a.d_v, b.d_v);
+  EXPECT_EQ(a.d_logg, b.d_logg);
+}
+
+TEST(SmatCpuTest, RejectsBadSpansShapesAndIds) {
+  auto plan = MakeSmatPlan(100, 2, 16);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(ValidateSmatSpan(*plan, {0, 100}).code(), absl::StatusCode::kOk);
+  EXPECT_EQ(ValidateSmatSpan(*plan, {16, 48}).code(), absl::StatusCode::kOk);
+  EXPECT_EQ(ValidateSmatSpan(*plan, {8, 48}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSmatSpan(*plan, {16, 40}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSmatSpan(*plan, {32, 32}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSmatSpan(*plan, {0, 101}).code(), absl::StatusCode::kInvalidArgument);
+
+  const ProblemSpec s{.T = 100, .d = 2, .chunk = 16, .content = true};
+  SmatReferenceProblem pr = RandomProblem(*plan, s);
+  auto backend = CreateBackend(Device::Cpu());
+  ASSERT_TRUE(backend.ok());
+  std::unique_ptr<SmatKernels> k = MakeCpuSmatKernels();
+  SmatForwardOutputs fwd;
+  // A profile id outside [0, P) at a distant token.
+  pr.prof[3 * pr.H] = static_cast<int32_t>(plan->geo.P);
+  absl::Status st = SmatForward(**backend, *k, *plan, MakeInputs(pr), &fwd);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  pr.prof[3 * pr.H] = 0;
+  // A type id outside [0, B) at a recent token.
+  pr.type[(pr.T - 1) * pr.H] = -1;
+  st = SmatForward(**backend, *k, *plan, MakeInputs(pr), &fwd);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  pr.type[(pr.T - 1) * pr.H] = 0;
+  EXPECT_TRUE(SmatForward(**backend, *k, *plan, MakeInputs(pr), &fwd).ok());
+  // Shapes: v with the wrong T.
+  SmatInputs bad = MakeInputs(pr);
+  bad.v = ToF32(std::vector<double>(pr.batch * (pr.T - 1) * pr.H * pr.dv, 0.5),
+                {pr.batch, pr.T - 1, pr.H, pr.dv});
+  st = SmatForward(**backend, *k, *plan, bad, &fwd);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  // A phase output of the wrong shape.
+  Tensor lam = ToF32(std::vector<double>(pr.T * pr.H), {1, pr.T, pr.H});
+  Tensor cd = ToF32(std::vector<double>(3 * pr.H), {1, 3, pr.H});  // needs 7 chunks
+  Tensor logg = ToF32(std::vector<double>(pr.T * pr.H, -0.1), {1, pr.T, pr.H});
+  st = k->ChunkLogDecay(*plan, SmatSpan::Whole(*plan), logg, &lam, &cd, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+}
+
+}  // namespace
+}  // namespace smat
