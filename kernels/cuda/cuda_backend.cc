@@ -70,6 +70,7 @@ class CudaAllocator final : public Allocator {
 
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
+    ScopedDevice scope(device_);  // the allocation's device, whatever the caller's is
     const cudaError_t err = cudaFree(ptr);
     // At process exit the runtime may already be torn down; the memory goes
     // with the context then. Anything else is a bug worth seeing.
