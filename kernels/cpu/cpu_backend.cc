@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/backend_checks.h"
+#include "kernels/cpu/smat_cpu.h"
 
 namespace smat {
 namespace {
@@ -67,7 +68,7 @@ const float* AsFloat(const Tensor& t, std::vector<float>& scratch) {
 
 }  // namespace
 
-CpuBackend::CpuBackend() = default;
+CpuBackend::CpuBackend() : smat_(MakeCpuSmatKernels()) {}
 CpuBackend::~CpuBackend() = default;
 
 absl::StatusOr<std::unique_ptr<Stream>> CpuBackend::CreateStream() {
@@ -194,9 +195,6 @@ absl::Status CpuBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Ten
   return absl::OkStatus();
 }
 
-absl::StatusOr<SmatKernels*> CpuBackend::smat() {
-  return absl::FailedPreconditionError(
-      "cpu backend: the CPU SMat kernels (kernels/cpu/smat_cpu.h) are not part of this build");
-}
+absl::StatusOr<SmatKernels*> CpuBackend::smat() { return smat_.get(); }
 
 }  // namespace smat

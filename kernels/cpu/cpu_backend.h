@@ -41,7 +41,11 @@ class CpuBackend final : public Backend {
   absl::Status Gemm(Transpose ta, Transpose tb, float alpha, const Tensor& a, const Tensor& b,
                     float beta, Tensor& c, Stream* stream = nullptr) override;
 
+  // The CPU SMat phases (kernels/cpu/smat_cpu.h); always available.
   absl::StatusOr<SmatKernels*> smat() override;
+
+ private:
+  std::unique_ptr<SmatKernels> smat_;  // complete type in the .cc (constructor, destructor)
 };
 
 }  // namespace smat

@@ -152,6 +152,9 @@ TEST(CreateBackendTest, CpuIsAlwaysThere) {
   EXPECT_EQ(cpu->name(), "cpu");
   EXPECT_TRUE(cpu->device() == Device::Cpu());
   EXPECT_TRUE(cpu->allocator().device() == Device::Cpu());
+  absl::StatusOr<SmatKernels*> smat = cpu->smat();
+  ASSERT_TRUE(smat.ok()) << smat.status();
+  EXPECT_NE(*smat, nullptr);
 }
 
 // Without a GPU (or without libsmat_cuda.so) CreateBackend must fail cleanly
