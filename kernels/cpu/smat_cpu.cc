@@ -20,8 +20,8 @@ namespace smat_cpu {
 
 absl::Status CheckF32(const Tensor& t, const Shape& shape, const char* name) {
   if (!t.defined()) {
-    return absl::InvalidArgumentError(absl::StrCat("smat cpu: ", name, " is missing; expected fp32",
-                                                   ShapeToString(shape)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("smat cpu: ", name, " is missing; expected fp32", ShapeToString(shape)));
   }
   if (t.dtype() != DType::kF32 || !t.device().is_cpu()) {
     return absl::InvalidArgumentError(absl::StrCat("smat cpu: ", name, " must be an fp32 host tensor",
