@@ -13,6 +13,7 @@
 #include "kernels/backend_checks.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise_kernels.h"
+#include "kernels/cuda/smat_cuda.h"
 
 namespace smat {
 namespace {
@@ -344,9 +345,11 @@ absl::Status CudaBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Te
 }
 
 absl::StatusOr<SmatKernels*> CudaBackend::smat() {
-  return absl::FailedPreconditionError(absl::StrCat(
-      name_, ": this libsmat_cuda.so has no CUDA SMat kernels; run the SMat phases on the CPU "
-             "backend (device cpu)"));
+  absl::MutexLock lock(&smat_mu_);
+  if (smat_ == nullptr) {
+    smat_ = MakeCudaSmatKernels(device_, [this](Stream* s) { return StreamOf(s, "smat"); });
+  }
+  return smat_.get();
 }
 
 }  // namespace smat

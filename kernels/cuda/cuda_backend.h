@@ -49,8 +49,7 @@ class CudaBackend final : public Backend {
   absl::Status Gemm(Transpose ta, Transpose tb, float alpha, const Tensor& a, const Tensor& b,
                     float beta, Tensor& c, Stream* stream = nullptr) override;
 
-  // FailedPrecondition: the CUDA SMat phase kernels are not part of this
-  // library yet (they will be created here, next to the cuBLAS handle).
+  // The CUDA SMat phase kernels (kernels/cuda/smat_cuda.h), created on first use.
   absl::StatusOr<SmatKernels*> smat() override;
 
  private:
@@ -70,6 +69,9 @@ class CudaBackend final : public Backend {
   absl::Mutex cublas_mu_;
   cublasHandle_t cublas_ = nullptr;
   void* cublas_workspace_ = nullptr;  // (kCublasWorkspaceBytes) bytes on the device
+
+  absl::Mutex smat_mu_;
+  std::unique_ptr<SmatKernels> smat_;  // guarded by smat_mu_
 };
 
 }  // namespace smat

@@ -1,0 +1,724 @@
+// CudaSmatKernels: the SmatKernels contract (kernels/smat_kernels.h) on one
+// GPU. This file validates tensors (InvalidArgument naming the tensor), works
+// out the span's geometry (distant / recent parts, token groups, segment
+// counts), keeps the incidence lists of Algorithm 2 on the device, and launches
+// the kernels of smat_scan.cu, smat_grouped.cu and smat_chunk.cu. Scratch memory
+// is stream-ordered (cudaMallocAsync / cudaFreeAsync on the call's stream), so
+// calls on different streams never share a buffer.
+#include "kernels/cuda/smat_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/smat_cuda_kernels.h"
+
+namespace smat {
+namespace {
+
+// A group's token list is cut into segments of about this many tokens, so
+// that a profile or type holding many tokens (d = 1: every distant token) is
+// reduced by many blocks; the partial sums are then added in segment order.
+constexpr int64_t kTokensPerSegment = 256;
+constexpr int64_t kMaxSegments = 4096;
+constexpr int64_t kMaxGridY = 65535;
+
+// Stream-ordered scratch memory, freed on the stream when it goes out of scope.
+class Scratch {
+ public:
+  explicit Scratch(cudaStream_t s) : stream_(s) {}
+  ~Scratch() {
+    for (void* p : ptrs_) cudaFreeAsync(p, stream_);
+  }
+  template <typename T>
+  absl::StatusOr<T*> Get(int64_t count) {
+    void* p = nullptr;
+    SMAT_CUDA_RETURN_IF_ERROR(
+        cudaMallocAsync(&p, std::max<int64_t>(1, count) * sizeof(T), stream_));
+    ptrs_.push_back(p);
+    return static_cast<T*>(p);
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<void*> ptrs_;
+};
+
+// Incidence lists of one geometry in CSR form (Algorithm 2 and its adjoint).
+struct IncidenceLists {
+  int32_t* type_offsets = nullptr;   // [B + 1]
+  int32_t* type_points = nullptr;    // points of each type, increasing
+  int32_t* point_offsets = nullptr;  // [P + 1]
+  int32_t* point_types = nullptr;    // types through each point, by direction
+};
+
+const float* F32(const Tensor& t) { return t.defined() ? static_cast<const float*>(t.raw()) : nullptr; }
+float* F32(Tensor* t) { return t != nullptr ? static_cast<float*>(t->raw()) : nullptr; }
+
+class CudaSmatKernels final : public SmatKernels {
+ public:
+  CudaSmatKernels(int device, CudaStreamResolver stream_of)
+      : device_(device), stream_of_(std::move(stream_of)) {}
+
+  ~CudaSmatKernels() override {
+    for (auto& [key, lists] : incidence_) {
+      cudaFree(lists.type_offsets);
+      cudaFree(lists.type_points);
+      cudaFree(lists.point_offsets);
+      cudaFree(lists.point_types);
+    }
+  }
+
+  // ---------------------------------------------------------------- forward
+  absl::Status ChunkLogDecay(const SmatPlan& plan, const SmatSpan& span, const Tensor& logg,
+                             Tensor* lam, Tensor* chunk_decay, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, Dims(plan, span, logg, "logg", 0, 0, false));
+    SMAT_RETURN_IF_ERROR(CheckF32(logg, {d.batch, d.L, d.H}, "logg"));
+    SMAT_RETURN_IF_ERROR(CheckOut(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(CheckOut(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
+    return CudaStatus(LaunchSmatChunkLogDecay(d, F32(logg), F32(lam), F32(chunk_decay), s),
+                      "ChunkLogDecay kernel");
+  }
+
+  absl::Status ChunkSummaries(const SmatPlan& plan, const SmatSpan& span, const Tensor& psi,
+                              const Tensor& v, const Tensor& lam, const Tensor& chunk_decay,
+                              Tensor* D, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(CheckOut(D, {d.batch, d.Lc, d.H, d.r, d.p}, "D"));
+    SmatTokenGroups groups;
+    groups.mode = SmatGroupMode::kChunks;
+    groups.num_groups = d.Lc;
+    SMAT_RETURN_IF_ERROR(CheckGroups(groups.num_groups, "chunks"));
+    SmatTokenWeights w{F32(lam), F32(chunk_decay), nullptr, nullptr, /*key_side=*/true};
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.Lc) * d.H, d.H, 1};
+    return CudaStatus(LaunchSmatGroupedOuterSum(d, groups, 1, psi.raw(), v.raw(), true, w, lay,
+                                                F32(D), s),
+                      "ChunkSummaries kernel");
+  }
+
+  absl::Status ChunkScan(const SmatPlan& plan, const SmatSpan& span, const Tensor& D,
+                         const Tensor& chunk_decay, const Tensor& incoming, Tensor* S_in,
+                         Tensor* span_state, Tensor* span_decay, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, StateDims(plan, span, D, "D"));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(incoming, {d.batch, 2, d.H, d.r, d.p}, "incoming"));
+    if (S_in != nullptr) SMAT_RETURN_IF_ERROR(CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_RETURN_IF_ERROR(CheckOut(span_state, {d.batch, 2, d.H, d.r, d.p}, "span_state"));
+    SMAT_RETURN_IF_ERROR(CheckOut(span_decay, {d.batch, 2, d.H}, "span_decay"));
+    return CudaStatus(LaunchSmatChunkScan(d, F32(D), F32(chunk_decay), F32(incoming), F32(S_in),
+                                          F32(span_state), F32(span_decay), s),
+                      "ChunkScan kernel");
+  }
+
+  absl::Status ProfilePooling(const SmatPlan& plan, const SmatSpan& span, const Tensor& psi,
+                              const Tensor& v, const Tensor& lam, const Tensor& chunk_decay,
+                              const Tensor& prof, Tensor* F, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(CheckMap(d, prof, "prof"));
+    const int64_t P = plan.geo.P;
+    SMAT_RETURN_IF_ERROR(CheckOut(F, {d.batch, d.H, P, d.r, d.p}, "F"));
+    SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
+    Scratch scratch(s);
+    const int64_t end = span.distant_end(plan) - span.t0;  // local distant part [0, end)
+    SMAT_ASSIGN_OR_RETURN(SmatTokenGroups groups,
+                          Groups(d, prof, 0, end, P, span.t0 % P, &scratch, s));
+    SmatTokenWeights w{F32(lam), F32(chunk_decay), nullptr, nullptr, /*key_side=*/true};
+    if (lam.defined()) {
+      SMAT_ASSIGN_OR_RETURN(w.off, Offsets(d, chunk_decay, &scratch, s));
+    }
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * P, 1, P};
+    return GroupedSum(d, groups, end, psi.raw(), v.raw(), true, w, lay, F32(F), &scratch, s,
+                      "ProfilePooling");
+  }
+
+  absl::Status Tabulate(const SmatPlan& plan, const Tensor& F, Tensor* U,
+                        Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    const SmatGeometry& g = plan.geo;
+    if (!F.defined() || F.rank() != 5 || F.dim(2) != g.P) {
+      return absl::InvalidArgumentError(absl::StrCat("smat cuda: F must be [batch, H, P = ", g.P,
+                                                     ", r, p]; got ", Describe(F)));
+    }
+    SMAT_RETURN_IF_ERROR(CheckF32(F, F.shape(), "F"));
+    SMAT_RETURN_IF_ERROR(CheckOut(U, {F.dim(0), F.dim(1), g.B, F.dim(3), F.dim(4)}, "U"));
+    SMAT_RETURN_IF_ERROR(CheckGroups(g.B, "types (B)"));
+    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
+    return CudaStatus(LaunchSmatTabulate(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.P, g.B,
+                                         lists->type_offsets, lists->type_points, F32(F), F32(U),
+                                         s),
+                      "Tabulate kernel");
+  }
+
+  absl::Status ChunkOutputs(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                            const Tensor& psi, const Tensor& v, const Tensor& lam,
+                            const Tensor& S_in, Tensor* ybar, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_RETURN_IF_ERROR(CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
+    SMAT_ASSIGN_OR_RETURN(int tile, ChunkTile(d, false));
+    return CudaStatus(LaunchSmatChunkOutputs(d, tile, phi.raw(), psi.raw(), v.raw(), F32(lam),
+                                             F32(S_in), F32(ybar), s),
+                      "ChunkOutputs kernel");
+  }
+
+  absl::Status TypeReads(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                         const Tensor& U, const Tensor& lam, const Tensor& chunk_decay,
+                         const Tensor& recent_offset, const Tensor& type, Tensor* ybar,
+                         Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, TableDims(plan, span, phi, U, "U"));
+    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
+    SMAT_RETURN_IF_ERROR(CheckMap(d, type, "type"));
+    SMAT_RETURN_IF_ERROR(CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
+    Scratch scratch(s);
+    SmatTokenGroups groups;
+    SmatTokenWeights w;
+    SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
+                                      &scratch, s, &groups, &w));
+    if (groups.begin >= groups.end) return absl::OkStatus();
+    const int64_t B = plan.geo.B;
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
+    return CudaStatus(LaunchSmatGroupedReads(d, groups, SegmentsFor(groups), SmatReadKind::kVecMat,
+                                             F32(U), lay, phi.raw(), nullptr, nullptr, w,
+                                             F32(ybar), nullptr, nullptr, s),
+                      "TypeReads kernel");
+  }
+
+  absl::Status Normalize(const Tensor& ybar, float eps, Tensor* o, Tensor* den,
+                         Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    if (!ybar.defined() || ybar.rank() != 4 || ybar.dim(3) < 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("smat cuda: ybar must be [batch, L, H, p >= 2]; got ", Describe(ybar)));
+    }
+    SMAT_RETURN_IF_ERROR(CheckF32(ybar, ybar.shape(), "ybar"));
+    SmatCudaDims d;
+    d.batch = ybar.dim(0);
+    d.L = ybar.dim(1);
+    d.H = ybar.dim(2);
+    d.p = ybar.dim(3);
+    d.dv = d.p - 1;
+    if (o == nullptr || !o->defined() || o->device() != Device::Cuda(device_) ||
+        (o->dtype() != DType::kF32 && o->dtype() != DType::kBF16)) {
+      return absl::InvalidArgumentError("smat cuda: o must be an fp32 or bf16 tensor on the GPU");
+    }
+    SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
+    SMAT_RETURN_IF_ERROR(CheckOut(den, {d.batch, d.L, d.H}, "den"));
+    return CudaStatus(LaunchSmatNormalize(d, F32(ybar), eps, o->raw(),
+                                          o->dtype() == DType::kBF16, F32(den), s),
+                      "Normalize kernel");
+  }
+
+  // --------------------------------------------------------------- backward
+  absl::Status NormalizeBackward(const Tensor& d_o, const Tensor& o, const Tensor& den, float eps,
+                                 Tensor* gbar, Tensor* dlam_row, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    if (!o.defined() || o.rank() != 4) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("smat cuda: o must be [batch, L, H, dv]; got ", Describe(o)));
+    }
+    SmatCudaDims d;
+    d.batch = o.dim(0);
+    d.L = o.dim(1);
+    d.H = o.dim(2);
+    d.dv = o.dim(3);
+    d.p = d.dv + 1;
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, o, "o", d.dv));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, d_o, "d_o", d.dv));
+    SMAT_RETURN_IF_ERROR(CheckF32(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(CheckOut(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    if (dlam_row != nullptr) SMAT_RETURN_IF_ERROR(CheckOut(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
+    return CudaStatus(
+        LaunchSmatNormalizeBackward(d, d_o.raw(), d_o.dtype() == DType::kBF16, o.raw(),
+                                    o.dtype() == DType::kBF16, F32(den), eps, F32(gbar),
+                                    F32(dlam_row), s),
+        "NormalizeBackward kernel");
+  }
+
+  absl::Status TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                                 const Tensor& U, const Tensor& gbar, const Tensor& lam,
+                                 const Tensor& chunk_decay, const Tensor& recent_offset,
+                                 const Tensor& type, Tensor* phi_bar, Tensor* U_bar,
+                                 Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, TableDims(plan, span, phi, U, "U"));
+    SMAT_RETURN_IF_ERROR(CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
+    SMAT_RETURN_IF_ERROR(CheckMap(d, type, "type"));
+    const int64_t B = plan.geo.B;
+    SMAT_RETURN_IF_ERROR(CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(U_bar, {d.batch, d.H, B, d.r, d.p}, "U_bar"));
+    Scratch scratch(s);
+    SmatTokenGroups groups;
+    SmatTokenWeights w;
+    SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
+                                      &scratch, s, &groups, &w));
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
+    // U_bar[h] = sum_t gate_t phi_t gbar_t^T (written in full, zeros when the
+    // span has no recent tokens), then phi_bar_t += gate_t U[type(t)] gbar_t.
+    SMAT_RETURN_IF_ERROR(GroupedSum(d, groups, groups.end - groups.begin, phi.raw(), gbar.raw(),
+                                    false, w, lay, F32(U_bar), &scratch, s, "TypeReadsBackward"));
+    if (groups.begin >= groups.end) return absl::OkStatus();
+    return CudaStatus(LaunchSmatGroupedReads(d, groups, SegmentsFor(groups), SmatReadKind::kMatVec,
+                                             F32(U), lay, nullptr, nullptr, F32(gbar), w, nullptr,
+                                             F32(phi_bar), nullptr, s),
+                      "TypeReadsBackward kernel");
+  }
+
+  absl::Status TabulateBackward(const SmatPlan& plan, const Tensor& U_bar, Tensor* F_bar,
+                                Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    const SmatGeometry& g = plan.geo;
+    if (!U_bar.defined() || U_bar.rank() != 5 || U_bar.dim(2) != g.B) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "smat cuda: U_bar must be [batch, H, B = ", g.B, ", r, p]; got ", Describe(U_bar)));
+    }
+    SMAT_RETURN_IF_ERROR(CheckF32(U_bar, U_bar.shape(), "U_bar"));
+    SMAT_RETURN_IF_ERROR(
+        CheckOut(F_bar, {U_bar.dim(0), U_bar.dim(1), g.P, U_bar.dim(3), U_bar.dim(4)}, "F_bar"));
+    SMAT_RETURN_IF_ERROR(CheckGroups(g.P, "profiles (P)"));
+    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
+    return CudaStatus(LaunchSmatTabulate(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4),
+                                         g.B, g.P, lists->point_offsets, lists->point_types,
+                                         F32(U_bar), F32(F_bar), s),
+                      "TabulateBackward kernel");
+  }
+
+  absl::Status ProfilePoolingBackward(const SmatPlan& plan, const SmatSpan& span,
+                                      const Tensor& psi, const Tensor& v, const Tensor& lam,
+                                      const Tensor& chunk_decay, const Tensor& distant_tail_decay,
+                                      const Tensor& prof, const Tensor& F_bar, Tensor* psi_bar,
+                                      Tensor* v_bar, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(
+        CheckOptionalF32(distant_tail_decay, {d.batch, d.H}, "distant_tail_decay"));
+    SMAT_RETURN_IF_ERROR(CheckMap(d, prof, "prof"));
+    const int64_t P = plan.geo.P;
+    SMAT_RETURN_IF_ERROR(CheckF32(F_bar, {d.batch, d.H, P, d.r, d.p}, "F_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
+    const int64_t end = span.distant_end(plan) - span.t0;
+    if (end <= 0) return absl::OkStatus();
+    SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
+    Scratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(SmatTokenGroups groups,
+                          Groups(d, prof, 0, end, P, span.t0 % P, &scratch, s));
+    SmatTokenWeights w{F32(lam), F32(chunk_decay), nullptr, F32(distant_tail_decay), true};
+    if (lam.defined()) {
+      SMAT_ASSIGN_OR_RETURN(w.off, Offsets(d, chunk_decay, &scratch, s));
+    }
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * P, 1, P};
+    return CudaStatus(LaunchSmatGroupedReads(d, groups, SegmentsFor(groups), SmatReadKind::kBoth,
+                                             F32(F_bar), lay, psi.raw(), v.raw(), nullptr, w,
+                                             nullptr, F32(psi_bar), F32(v_bar), s),
+                      "ProfilePoolingBackward kernel");
+  }
+
+  absl::Status ChunkStateGradients(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                                   const Tensor& gbar, const Tensor& lam, Tensor* S_in_bar,
+                                   Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, Dims(plan, span, phi, "phi", phi.rank() == 4 ? phi.dim(3) : 0,
+                                               gbar.rank() == 4 ? gbar.dim(3) - 1 : 0, true));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(CheckOut(S_in_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in_bar"));
+    SmatTokenGroups groups;
+    groups.mode = SmatGroupMode::kChunks;
+    groups.num_groups = d.Lc;
+    SMAT_RETURN_IF_ERROR(CheckGroups(groups.num_groups, "chunks"));
+    SmatTokenWeights w{F32(lam), nullptr, nullptr, nullptr, /*key_side=*/false};
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.Lc) * d.H, d.H, 1};
+    return CudaStatus(LaunchSmatGroupedOuterSum(d, groups, 1, phi.raw(), gbar.raw(), false, w,
+                                                lay, F32(S_in_bar), s),
+                      "ChunkStateGradients kernel");
+  }
+
+  absl::Status ChunkScanBackward(const SmatPlan& plan, const SmatSpan& span,
+                                 const Tensor& S_in_bar, const Tensor& chunk_decay,
+                                 const Tensor& incoming_grad, Tensor* D_bar,
+                                 Tensor* span_state_grad, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, StateDims(plan, span, S_in_bar, "S_in_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
+    SMAT_RETURN_IF_ERROR(
+        CheckOptionalF32(incoming_grad, {d.batch, 2, d.H, d.r, d.p}, "incoming_grad"));
+    SMAT_RETURN_IF_ERROR(CheckOut(D_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "D_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(span_state_grad, {d.batch, 2, d.H, d.r, d.p}, "span_state_grad"));
+    return CudaStatus(LaunchSmatChunkScanBackward(d, F32(S_in_bar), F32(chunk_decay),
+                                                  F32(incoming_grad), F32(D_bar),
+                                                  F32(span_state_grad), s),
+                      "ChunkScanBackward kernel");
+  }
+
+  absl::Status ChunkOutputsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                                    const Tensor& psi, const Tensor& v, const Tensor& lam,
+                                    const Tensor& chunk_decay, const Tensor& S_in,
+                                    const Tensor& gbar, const Tensor& D_bar, Tensor* phi_bar,
+                                    Tensor* psi_bar, Tensor* v_bar, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_RETURN_IF_ERROR(CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    SMAT_RETURN_IF_ERROR(CheckF32(D_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "D_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
+    SMAT_ASSIGN_OR_RETURN(int qtile, ChunkTile(d, false));
+    SMAT_ASSIGN_OR_RETURN(int ktile, ChunkTile(d, true));
+    return CudaStatus(LaunchSmatChunkOutputsBackward(d, qtile, ktile, phi.raw(), psi.raw(), v.raw(),
+                                                     F32(lam), F32(chunk_decay), F32(S_in),
+                                                     F32(gbar), F32(D_bar), F32(phi_bar),
+                                                     F32(psi_bar), F32(v_bar), s),
+                      "ChunkOutputsBackward kernel");
+  }
+
+  absl::Status LogDecayBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& psi,
+                                const Tensor& psi_bar, const Tensor& dlam_row,
+                                const Tensor& suffix_in, Tensor* logg_bar, Tensor* span_sum,
+                                Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
+                          Dims(plan, span, psi, "psi", psi.rank() == 4 ? psi.dim(3) : 0, 0, true));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, psi, "psi", d.r));
+    SMAT_RETURN_IF_ERROR(CheckF32(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
+    SMAT_RETURN_IF_ERROR(CheckF32(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(suffix_in, {d.batch, d.H}, "suffix_in"));
+    SMAT_RETURN_IF_ERROR(CheckOut(logg_bar, {d.batch, d.L, d.H}, "logg_bar"));
+    SMAT_RETURN_IF_ERROR(CheckOut(span_sum, {d.batch, d.H}, "span_sum"));
+    Scratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(float* dlam, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.L * d.H));
+    return CudaStatus(LaunchSmatLogDecayBackward(d, psi.raw(), F32(psi_bar), F32(dlam_row),
+                                                 F32(suffix_in), dlam, F32(logg_bar),
+                                                 F32(span_sum), s),
+                      "LogDecayBackward kernels");
+  }
+
+ private:
+  // Selects the device and resolves the stream.
+  absl::StatusOr<cudaStream_t> Enter(Stream* stream) {
+    SMAT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return stream_of_(stream);
+  }
+
+  static std::string Describe(const Tensor& t) {
+    return t.defined() ? t.DebugString() : std::string("nothing");
+  }
+
+  absl::Status OnDevice(const Tensor& t, const char* name) const {
+    if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat("smat cuda: ", name, " is missing"));
+    if (!(t.device() == Device::Cuda(device_))) {
+      return absl::InvalidArgumentError(absl::StrCat("smat cuda: ", name, " is on ",
+                                                     t.device().ToString(), ", expected cuda:",
+                                                     device_, "; copy it to the GPU first"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status CheckF32(const Tensor& t, const Shape& shape, const char* name) const {
+    SMAT_RETURN_IF_ERROR(OnDevice(t, name));
+    if (t.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("smat cuda: ", name, " must be fp32; got ", t.DebugString()));
+    }
+    return CheckShape(t, shape, name);
+  }
+  absl::Status CheckOptionalF32(const Tensor& t, const Shape& shape, const char* name) const {
+    return t.defined() ? CheckF32(t, shape, name) : absl::OkStatus();
+  }
+  absl::Status CheckOut(const Tensor* t, const Shape& shape, const char* name) const {
+    if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("smat cuda: output ", name, " is null"));
+    return CheckF32(*t, shape, name);
+  }
+  // phi / psi / v / o / d_o: fp32 or bf16 [batch, L, H, width]; phi, psi, v share d.bf16.
+  absl::Status CheckFeatures(const SmatCudaDims& d, const Tensor& t, const char* name,
+                             int64_t width) const {
+    SMAT_RETURN_IF_ERROR(OnDevice(t, name));
+    if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("smat cuda: ", name, " must be fp32 or bf16; got ", t.DebugString()));
+    }
+    return CheckShape(t, {d.batch, d.L, d.H, width}, name);
+  }
+  absl::Status CheckGates(const SmatCudaDims& d, const Tensor& lam, const Tensor& chunk_decay) const {
+    if (lam.defined() != chunk_decay.defined()) {
+      return absl::InvalidArgumentError(
+          "smat cuda: lam and chunk_decay must both be given (gated) or both be undefined");
+    }
+    SMAT_RETURN_IF_ERROR(CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+    return CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay");
+  }
+  absl::Status CheckMap(const SmatCudaDims& d, const Tensor& map, const char* name) const {
+    if (!map.defined()) return absl::OkStatus();
+    SMAT_RETURN_IF_ERROR(OnDevice(map, name));
+    if (map.dtype() != DType::kI32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("smat cuda: ", name, " must be int32; got ", map.DebugString()));
+    }
+    return CheckShape(map, {d.batch, d.L, d.H}, name);
+  }
+  static absl::Status CheckGroups(int64_t groups, const char* what) {
+    if (groups > kMaxGridY) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "smat cuda: ", groups, " ", what, " exceed the ", kMaxGridY,
+          " groups one launch handles; use a larger chunk or a smaller d / q"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Span sizes from a token tensor [batch, L, H, ...].
+  absl::StatusOr<SmatCudaDims> Dims(const SmatPlan& plan, const SmatSpan& span, const Tensor& t,
+                                    const char* name, int64_t r, int64_t dv, bool features) const {
+    SMAT_RETURN_IF_ERROR(ValidateSmatSpan(plan, span));
+    if (!t.defined() || t.rank() < 3 || t.dim(1) != span.length()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "smat cuda: ", name, " must be [batch, L = ", span.length(), ", H, ...] for span [",
+          span.t0, ", ", span.t1, "); got ", Describe(t)));
+    }
+    SmatCudaDims d;
+    d.batch = t.dim(0);
+    d.L = span.length();
+    d.Lc = span.num_chunks(plan);
+    d.H = t.dim(2);
+    d.r = r;
+    d.dv = dv;
+    d.p = dv + 1;
+    d.chunk = plan.chunk;
+    d.t0 = span.t0;
+    d.n = plan.n;
+    d.bf16 = features && t.dtype() == DType::kBF16;
+    return d;
+  }
+  absl::StatusOr<SmatCudaDims> FeatureDims(const SmatPlan& plan, const SmatSpan& span,
+                                           const Tensor& psi, const Tensor& v) const {
+    if (!psi.defined() || psi.rank() != 4 || !v.defined() || v.rank() != 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "smat cuda: psi and v must be [batch, L, H, r] and [batch, L, H, dv]; got ",
+          Describe(psi), " and ", Describe(v)));
+    }
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, Dims(plan, span, psi, "psi", psi.dim(3), v.dim(3), true));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, psi, "psi", d.r));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, v, "v", d.dv));
+    if (v.dtype() != psi.dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat("smat cuda: phi, psi and v must share a dtype; got psi ",
+                                                     psi.DebugString(), ", v ", v.DebugString()));
+    }
+    return d;
+  }
+  // From phi [batch, L, H, r] and a table [batch, H, G, r, p].
+  absl::StatusOr<SmatCudaDims> TableDims(const SmatPlan& plan, const SmatSpan& span,
+                                         const Tensor& phi, const Tensor& table,
+                                         const char* name) const {
+    if (!phi.defined() || phi.rank() != 4 || !table.defined() || table.rank() != 5) {
+      return absl::InvalidArgumentError(absl::StrCat("smat cuda: phi must be [batch, L, H, r] and ",
+                                                     name, " [batch, H, G, r, p]; got ",
+                                                     Describe(phi), " and ", Describe(table)));
+    }
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
+                          Dims(plan, span, phi, "phi", phi.dim(3), table.dim(4) - 1, true));
+    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(CheckF32(table, {d.batch, d.H, plan.geo.B, d.r, d.p}, name));
+    return d;
+  }
+  // From a chunk-state tensor [batch, Lc, H, r, p].
+  absl::StatusOr<SmatCudaDims> StateDims(const SmatPlan& plan, const SmatSpan& span,
+                                         const Tensor& t, const char* name) const {
+    SMAT_RETURN_IF_ERROR(ValidateSmatSpan(plan, span));
+    if (!t.defined() || t.rank() != 5 || t.dim(1) != span.num_chunks(plan)) {
+      return absl::InvalidArgumentError(absl::StrCat("smat cuda: ", name, " must be [batch, Lc = ",
+                                                     span.num_chunks(plan), ", H, r, p]; got ",
+                                                     Describe(t)));
+    }
+    SmatCudaDims d;
+    d.batch = t.dim(0);
+    d.L = span.length();
+    d.Lc = t.dim(1);
+    d.H = t.dim(2);
+    d.r = t.dim(3);
+    d.p = t.dim(4);
+    d.dv = d.p - 1;
+    d.chunk = plan.chunk;
+    d.t0 = span.t0;
+    d.n = plan.n;
+    SMAT_RETURN_IF_ERROR(CheckF32(t, t.shape(), name));
+    return d;
+  }
+
+  absl::StatusOr<int> ChunkTile(const SmatCudaDims& d, bool keys) const {
+    int limit = 0;
+    SMAT_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+    const int tile = SmatChunkTileRows(d, limit, keys);
+    if (tile == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "smat cuda: chunk ", d.chunk, " with r = ", d.r, ", dv = ", d.dv,
+          " needs more shared memory per block than the device's ", limit,
+          " bytes; use a smaller chunk (e.g. 64)"));
+    }
+    return tile;
+  }
+
+  // Segments per group for a part of `len` tokens split into `groups` groups.
+  static int SegmentsFor(int64_t len, int64_t groups) {
+    const int64_t per_group = (len + std::max<int64_t>(groups, 1) - 1) / std::max<int64_t>(groups, 1);
+    return static_cast<int>(
+        std::clamp<int64_t>((per_group + kTokensPerSegment - 1) / kTokensPerSegment, 1, kMaxSegments));
+  }
+  static int SegmentsFor(const SmatTokenGroups& g) {
+    return SegmentsFor(g.end - g.begin, g.num_groups);
+  }
+
+  // Groups of the local tokens [begin, end): content lists when `map` is
+  // defined, else the positional progression with period G and `phase`.
+  absl::StatusOr<SmatTokenGroups> Groups(const SmatCudaDims& d, const Tensor& map, int64_t begin,
+                                         int64_t end, int64_t G, int64_t phase, Scratch* scratch,
+                                         cudaStream_t s) {
+    SmatTokenGroups g;
+    g.num_groups = static_cast<int>(G);
+    g.begin = begin;
+    g.end = std::max(begin, end);
+    if (!map.defined()) {
+      g.mode = SmatGroupMode::kProgression;
+      g.period = G;
+      g.phase = ((phase % G) + G) % G;
+      return g;
+    }
+    g.mode = SmatGroupMode::kLists;
+    const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
+    SMAT_ASSIGN_OR_RETURN(int32_t* counts, scratch->Get<int32_t>(bh * G));
+    SMAT_ASSIGN_OR_RETURN(int32_t* offsets, scratch->Get<int32_t>(bh * (G + 1)));
+    SMAT_ASSIGN_OR_RETURN(int32_t* perm, scratch->Get<int32_t>(bh * (g.end - g.begin)));
+    SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatGroupByContent(d, static_cast<const int32_t*>(map.raw()),
+                                                       g.begin, g.end, g.num_groups, counts,
+                                                       offsets, perm, s));
+    g.offsets = offsets;
+    g.perm = perm;
+    return g;
+  }
+
+  // Recent part of the span grouped by type, with the read gates
+  // exp(recent_offset + (sum of logg over [recent_begin, t])).
+  absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const SmatCudaDims& d,
+                            const Tensor& lam, const Tensor& chunk_decay,
+                            const Tensor& recent_offset, const Tensor& type, Scratch* scratch,
+                            cudaStream_t s, SmatTokenGroups* groups, SmatTokenWeights* w) {
+    const int64_t B = plan.geo.B;
+    SMAT_RETURN_IF_ERROR(CheckGroups(B, "types (B)"));
+    const int64_t begin = span.recent_begin(plan) - span.t0;
+    const int64_t end = span.t1 - span.t0;
+    SMAT_ASSIGN_OR_RETURN(*groups, Groups(d, type, begin, end, B, span.t0 - plan.n, scratch, s));
+    *w = SmatTokenWeights{F32(lam), F32(chunk_decay), nullptr, F32(recent_offset), false};
+    if (lam.defined()) {
+      SMAT_ASSIGN_OR_RETURN(w->off, Offsets(d, chunk_decay, scratch, s));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<const float*> Offsets(const SmatCudaDims& d, const Tensor& chunk_decay,
+                                       Scratch* scratch, cudaStream_t s) {
+    SMAT_ASSIGN_OR_RETURN(float* off, scratch->Get<float>(static_cast<int64_t>(d.batch) * d.Lc * d.H));
+    SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatChunkOffsets(d, F32(chunk_decay), off, s));
+    return off;
+  }
+
+  // Segmented grouped reduction into `out` (layout `lay`); every group's
+  // matrix is written, zeros for empty groups.
+  absl::Status GroupedSum(const SmatCudaDims& d, const SmatTokenGroups& groups, int64_t len,
+                          const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
+                          const SmatMatrixLayout& lay, float* out, Scratch* scratch,
+                          cudaStream_t s, const char* what) {
+    const int segments = SegmentsFor(len, groups.num_groups);
+    if (segments == 1) {
+      return CudaStatus(LaunchSmatGroupedOuterSum(d, groups, 1, a, b, b_is_v, w, lay, out, s), what);
+    }
+    const int64_t G = groups.num_groups;
+    SMAT_ASSIGN_OR_RETURN(float* partial, scratch->Get<float>(static_cast<int64_t>(d.batch) * d.H *
+                                                              G * segments * d.r * d.p));
+    const SmatMatrixLayout part{static_cast<int64_t>(d.H) * G, 1, G};
+    SMAT_CUDA_RETURN_IF_ERROR(
+        LaunchSmatGroupedOuterSum(d, groups, segments, a, b, b_is_v, w, part, partial, s));
+    return CudaStatus(LaunchSmatReduceSegments(d, groups.num_groups, segments, partial, lay, out, s),
+                      what);
+  }
+
+  // The incidence lists of geometry g on the device, built once per (d, q).
+  absl::StatusOr<const IncidenceLists*> Incidence(const SmatGeometry& g) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::pair<int, int64_t> key(g.d, g.q);
+    auto it = incidence_.find(key);
+    if (it != incidence_.end()) return &it->second;
+    std::vector<std::vector<int32_t>> points(g.B), types(g.P);
+    if (g.d == 1) {
+      points[0].push_back(0);
+      types[0].push_back(0);
+    } else {
+      for (int64_t e = 0; e < g.num_directions; ++e) {
+        for (int64_t x = 0; x < g.P; ++x) {
+          int64_t dot = 0;
+          for (int k = 0; k < g.D; ++k) dot += g.directions[e * g.D + k] * g.Coordinate(x, k);
+          const int32_t h = g.flat_to_type[e * g.q + dot % g.q];
+          points[h].push_back(static_cast<int32_t>(x));
+          types[x].push_back(h);
+        }
+      }
+    }
+    auto flatten = [](const std::vector<std::vector<int32_t>>& lists, std::vector<int32_t>* off,
+                      std::vector<int32_t>* items) {
+      off->assign(1, 0);
+      for (const auto& l : lists) {
+        items->insert(items->end(), l.begin(), l.end());
+        off->push_back(static_cast<int32_t>(items->size()));
+      }
+    };
+    std::vector<int32_t> to, ti, po, pi;
+    flatten(points, &to, &ti);
+    flatten(types, &po, &pi);
+    IncidenceLists lists;
+    auto upload = [](const std::vector<int32_t>& host, int32_t** dev) -> absl::Status {
+      SMAT_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(dev), std::max<size_t>(1, host.size()) * sizeof(int32_t)));
+      SMAT_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(*dev, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+      return absl::OkStatus();
+    };
+    SMAT_RETURN_IF_ERROR(upload(to, &lists.type_offsets));
+    SMAT_RETURN_IF_ERROR(upload(ti, &lists.type_points));
+    SMAT_RETURN_IF_ERROR(upload(po, &lists.point_offsets));
+    SMAT_RETURN_IF_ERROR(upload(pi, &lists.point_types));
+    return &incidence_.emplace(key, lists).first->second;
+  }
+
+  const int device_;
+  CudaStreamResolver stream_of_;
+  std::mutex mu_;  // guards incidence_
+  std::map<std::pair<int, int64_t>, IncidenceLists> incidence_;
+};
+
+}  // namespace
+
+std::unique_ptr<SmatKernels> MakeCudaSmatKernels(int device, CudaStreamResolver stream_of) {
+  return std::make_unique<CudaSmatKernels>(device, std::move(stream_of));
+}
+
+}  // namespace smat

@@ -1,0 +1,172 @@
+// Launchers of the CUDA SMat-Attention phase kernels (smat_*.cu), behind plain
+// C++ declarations so that smat_cuda.cc (the SmatKernels implementation, which
+// validates tensors and returns absl::Status) is ordinary C++ and nvcc never has
+// to parse Abseil. Every launcher enqueues its kernels on `stream` and returns
+// cudaGetLastError() after the last launch.
+//
+// Layouts follow kernels/smat_kernels.h: token tensors [batch, L, H, X], chunk
+// tensors [batch, Lc, H, r, p], per-block tensors [batch, 2, H, ...], tables
+// [batch, H, G, r, p]. Inputs phi, psi, v are fp32 or bf16 (`bf16` flag);
+// everything else is fp32 (int32 for maps and group lists). All arithmetic,
+// states and scans are fp32, every sum runs in a fixed order and no kernel uses
+// floating-point atomics, so equal inputs give equal bits (ARCHITECTURE.md 5).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace smat {
+
+// Sizes of one span of one call (SmatDims of kernels/smat.h plus the span).
+struct SmatCudaDims {
+  int batch = 0;
+  int L = 0;      // tokens held (span length)
+  int Lc = 0;     // chunks held
+  int H = 0;
+  int r = 0;
+  int dv = 0;
+  int p = 0;      // dv + 1
+  int chunk = 0;  // c
+  int64_t t0 = 0;  // global position of local token 0 (a multiple of c)
+  int64_t n = 0;   // distant/recent boundary (global)
+  bool bf16 = false;  // phi, psi, v are bf16 (else fp32)
+};
+
+// Per-token decay weights w_i of the grouped and chunk phases, all of the form
+// exp(x) with x a sum of gate terms that is <= 0 (Lemma 4):
+//   key side:   x = chunk_decay[k] - lam[i] + off[k] + extra[b, h]
+//   query side: x = lam[i] + off[k] + extra[b, h]
+// (k = chunk of local token i). lam == nullptr: ungated, every w = 1. off and
+// extra may be null (0).
+struct SmatTokenWeights {
+  const float* lam = nullptr;          // [batch, L, H]
+  const float* chunk_decay = nullptr;  // [batch, Lc, H]
+  const float* off = nullptr;          // [batch, Lc, H]
+  const float* extra = nullptr;        // [batch, H]
+  bool key_side = false;
+};
+
+// How the tokens of a span split into groups. Chunks: group g = local chunk g.
+// Progression: the tokens of [begin, end) with (i + phase) mod period = g
+// (positional profiles / types). Lists: content maps grouped by
+// LaunchSmatGroupByContent (group g of (b, h) is perm[bh][offsets[bh][g] ..
+// offsets[bh][g + 1])), local token indices in increasing order.
+enum class SmatGroupMode : int { kChunks = 0, kProgression = 1, kLists = 2 };
+struct SmatTokenGroups {
+  SmatGroupMode mode = SmatGroupMode::kChunks;
+  int num_groups = 0;
+  int64_t begin = 0, end = 0;          // local token range partitioned by the groups
+  int64_t period = 1, phase = 0;       // kProgression
+  const int32_t* offsets = nullptr;    // kLists: [batch * H, num_groups + 1]
+  const int32_t* perm = nullptr;       // kLists: [batch * H, end - begin]
+};
+
+// Where the r x p matrix of (b, g, h) lives: element offset
+// ((b * ob + g * og + h * oh) * segments + segment) * r * p.
+struct SmatMatrixLayout {
+  int64_t ob = 0, og = 0, oh = 0;
+};
+
+// ---- smat_scan.cu ---------------------------------------------------------------
+
+// F1: lam (chunk-local inclusive prefix of logg) and chunk_decay.
+cudaError_t LaunchSmatChunkLogDecay(const SmatCudaDims& dims, const float* logg, float* lam,
+                                    float* chunk_decay, cudaStream_t stream);
+
+// off[k] for the grouped phases: for a distant chunk, the sum of chunk_decay
+// over the span's later distant chunks; for a recent chunk, the sum over the
+// span's earlier recent chunks.
+cudaError_t LaunchSmatChunkOffsets(const SmatCudaDims& dims, const float* chunk_decay,
+                                   float* off, cudaStream_t stream);
+
+// F3 and B6 (see SmatKernels::ChunkScan / ChunkScanBackward). chunk_decay may
+// be null (ungated), S_in may be null.
+cudaError_t LaunchSmatChunkScan(const SmatCudaDims& dims, const float* D,
+                                const float* chunk_decay, const float* incoming, float* S_in,
+                                float* span_state, float* span_decay, cudaStream_t stream);
+cudaError_t LaunchSmatChunkScanBackward(const SmatCudaDims& dims, const float* S_in_bar,
+                                        const float* chunk_decay, const float* incoming_grad,
+                                        float* D_bar, float* span_state_grad,
+                                        cudaStream_t stream);
+
+// F8 and B1. o and d_o have the dtype flagged by o_bf16 / do_bf16.
+cudaError_t LaunchSmatNormalize(const SmatCudaDims& dims, const float* ybar, float eps, void* o,
+                                bool o_bf16, float* den, cudaStream_t stream);
+cudaError_t LaunchSmatNormalizeBackward(const SmatCudaDims& dims, const void* d_o, bool do_bf16,
+                                        const void* o, bool o_bf16, const float* den, float eps,
+                                        float* gbar, float* dlam_row, cudaStream_t stream);
+
+// B8: dLambda_t = dlam_row_t - psi_t . psi_bar_t into the scratch dlam
+// [batch, L, H], then logg_bar = suffix sums + suffix_in, span_sum.
+cudaError_t LaunchSmatLogDecayBackward(const SmatCudaDims& dims, const void* psi,
+                                       const float* psi_bar, const float* dlam_row,
+                                       const float* suffix_in, float* dlam, float* logg_bar,
+                                       float* span_sum, cudaStream_t stream);
+
+// ---- smat_grouped.cu ------------------------------------------------------------
+
+// out[(b, g, h), segment] = sum over the segment's tokens i of group g of
+// w_i a_i b_i^T (r x p). a: phi or psi (input dtype, [batch, L, H, r]);
+// b: vbar = [v, 1] from v (input dtype) when b_is_v, else gbar (fp32,
+// [batch, L, H, p]). Each group's token list is cut into `segments` equal parts
+// (in list order); LaunchSmatReduceSegments sums them in segment order.
+cudaError_t LaunchSmatGroupedOuterSum(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                      int segments, const void* a, const void* b, bool b_is_v,
+                                      const SmatTokenWeights& w, const SmatMatrixLayout& out_layout,
+                                      float* out, cudaStream_t stream);
+cudaError_t LaunchSmatReduceSegments(const SmatCudaDims& dims, int num_groups, int segments,
+                                     const float* partial,  // [batch, H, G, segments, r, p]
+                                     const SmatMatrixLayout& out_layout, float* out,
+                                     cudaStream_t stream);
+
+// Per-token products with the group's r x p matrix M (layout `m_layout`, one
+// segment), += into fp32 outputs:
+//   kVecMat (F7):  out_p[i] += w_i a_i^T M       (a = phi, out_p [batch, L, H, p])
+//   kMatVec (B2):  out_r[i] += w_i M g_i         (g = gbar fp32, out_r [batch, L, H, r])
+//   kBoth   (B4):  out_r[i] += w_i M vbar_i, out_v[i] += w_i (M^T a_i)[0:dv]
+//                  (a = psi, vbar from v)
+enum class SmatReadKind : int { kVecMat = 0, kMatVec = 1, kBoth = 2 };
+cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                   int segments, SmatReadKind kind, const float* M,
+                                   const SmatMatrixLayout& m_layout, const void* a,
+                                   const void* v, const float* g, const SmatTokenWeights& w,
+                                   float* out_p, float* out_r, float* out_v,
+                                   cudaStream_t stream);
+
+// out[bh, g] = sum_{j in list[g]} in[bh, items[j]] for W-wide rows, lists in
+// CSR form (offsets [G_out + 1], items), summed in list order: Algorithm 2
+// (U = C F, lists = points of each type) and its adjoint (F_bar = C^T U_bar,
+// lists = types through each point).
+cudaError_t LaunchSmatTabulate(int64_t batch_heads, int64_t W, int64_t g_in, int64_t g_out,
+                               const int32_t* offsets, const int32_t* items, const float* in,
+                               float* out, cudaStream_t stream);
+
+// Stable counting sort of the span's tokens [begin, end) of each (b, h) by
+// map[b, i, h] in [0, G) (content maps): offsets [batch * H, G + 1], perm
+// [batch * H, end - begin]; counts is scratch [batch * H, G]. Tokens whose id
+// is out of range are left out of every group.
+cudaError_t LaunchSmatGroupByContent(const SmatCudaDims& dims, const int32_t* map, int64_t begin,
+                                     int64_t end, int num_groups, int32_t* counts,
+                                     int32_t* offsets, int32_t* perm, cudaStream_t stream);
+
+// ---- smat_chunk.cu --------------------------------------------------------------
+
+// Largest query/key tile (64, 32 or 16 rows) whose shared memory fits in
+// `smem_limit` bytes for the chunk kernels, or 0 when none does.
+int SmatChunkTileRows(const SmatCudaDims& dims, int64_t smem_limit, bool backward_keys);
+
+// F6: ybar (written in full for every token of the span).
+cudaError_t LaunchSmatChunkOutputs(const SmatCudaDims& dims, int tile, const void* phi,
+                                   const void* psi, const void* v, const float* lam,
+                                   const float* S_in, float* ybar, cudaStream_t stream);
+
+// B7 (eq. 19): phi_bar += (query tiles), then psi_bar, v_bar += (key tiles).
+cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& dims, int query_tile, int key_tile,
+                                           const void* phi, const void* psi, const void* v,
+                                           const float* lam, const float* chunk_decay,
+                                           const float* S_in, const float* gbar,
+                                           const float* D_bar, float* phi_bar, float* psi_bar,
+                                           float* v_bar, cudaStream_t stream);
+
+}  // namespace smat

@@ -1,0 +1,159 @@
+// Device helpers shared by the SMat phase kernels (smat_*.cu): input loads
+// (fp32 or bf16 to fp32), the per-token decay weights of Lemma 4, the token
+// groups of the grouped phases, and TileAccumulate, the register-tiled block
+// product every chunk tile and grouped reduction is built from.
+//
+// TileAccumulate runs on 256 threads laid out 16 x 16; each thread holds a
+// 4 x 5 block of a 64 x 80 output tile and walks k in increasing order, so the
+// sum order of every output element is fixed (bitwise repeatable results).
+// Operands come through accessor functors a(m, k), b(n, k) (shared memory or
+// read-only global), so one routine serves A = tril(phi psi^T), Y = A vbar,
+// D = psi^T vbar and the adjoint tiles of eq. 19. Plain FFMA on fp32 (no TF32)
+// keeps fp32 inputs within 1e-5 of the CPU phases.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/smat_cuda_kernels.h"
+
+namespace smat {
+namespace cuda_detail {
+
+constexpr int kThreads = 256;
+constexpr int kTileM = 64;  // rows of one TileAccumulate pass (16 threads x 4)
+constexpr int kTileN = 80;  // columns of one pass (16 threads x 5): p = 65 in one pass
+constexpr int kRegM = 4;
+constexpr int kRegN = 5;
+
+__host__ __device__ __forceinline__ int64_t Min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t Max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+__device__ __forceinline__ float LoadIn(const void* p, int64_t i, bool bf16) {
+  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
+}
+
+// Odd leading dimension for shared-memory rows read column-wise by 16 threads
+// (rows of 64 floats would put all 16 in one bank).
+__host__ __device__ __forceinline__ int PadOdd(int x) { return x | 1; }
+
+// Row index of (b, local token i, h) in token tensors [batch, L, H, *].
+__device__ __forceinline__ int64_t TokenRow(const SmatCudaDims& d, int b, int64_t i, int h) {
+  return (static_cast<int64_t>(b) * d.L + i) * d.H + h;
+}
+// Row index of (b, local chunk k, h) in chunk tensors [batch, Lc, H, *].
+__device__ __forceinline__ int64_t ChunkRow(const SmatCudaDims& d, int b, int64_t k, int h) {
+  return (static_cast<int64_t>(b) * d.Lc + k) * d.H + h;
+}
+
+// Decay weight of local token i of (b, h); see SmatTokenWeights.
+__device__ __forceinline__ float TokenWeight(const SmatCudaDims& d, const SmatTokenWeights& w,
+                                             int b, int h, int64_t i) {
+  if (w.lam == nullptr) return 1.f;
+  const int64_t k = i / d.chunk;
+  float x = w.key_side ? w.chunk_decay[ChunkRow(d, b, k, h)] - w.lam[TokenRow(d, b, i, h)]
+                       : w.lam[TokenRow(d, b, i, h)];
+  if (w.off != nullptr) x += w.off[ChunkRow(d, b, k, h)];
+  if (w.extra != nullptr) x += w.extra[static_cast<int64_t>(b) * d.H + h];
+  return expf(x);
+}
+
+// Token list of group g for (b, h): Count() tokens, Token(j) the j-th local
+// index (increasing).
+struct GroupCursor {
+  const SmatTokenGroups* gr;
+  int64_t first = 0, count = 0;
+  const int32_t* list = nullptr;
+
+  __device__ GroupCursor(const SmatTokenGroups& groups, const SmatCudaDims& d, int bh, int g)
+      : gr(&groups) {
+    switch (groups.mode) {
+      case SmatGroupMode::kChunks: {
+        first = static_cast<int64_t>(g) * d.chunk;
+        const int64_t last = min(first + d.chunk, static_cast<int64_t>(d.L));
+        count = Max64(0, last - first);
+        break;
+      }
+      case SmatGroupMode::kProgression: {
+        const int64_t P = groups.period;
+        // Smallest i >= begin with (i + phase) mod P = g.
+        int64_t delta = (g - (groups.begin + groups.phase)) % P;
+        if (delta < 0) delta += P;
+        first = groups.begin + delta;
+        count = first < groups.end ? (groups.end - first + P - 1) / P : 0;
+        break;
+      }
+      case SmatGroupMode::kLists: {
+        const int32_t* off = groups.offsets + static_cast<int64_t>(bh) * (groups.num_groups + 1);
+        list = groups.perm + static_cast<int64_t>(bh) * (groups.end - groups.begin) + off[g];
+        count = off[g + 1] - off[g];
+        break;
+      }
+    }
+  }
+  __device__ int64_t Token(int64_t j) const {
+    switch (gr->mode) {
+      case SmatGroupMode::kChunks: return first + j;
+      case SmatGroupMode::kProgression: return first + j * gr->period;
+      default: return list[j];
+    }
+  }
+};
+
+// Segment `seg` of `segments` equal parts of [0, count).
+__device__ __forceinline__ void SegmentRange(int64_t count, int segments, int seg, int64_t* lo,
+                                             int64_t* hi) {
+  const int64_t len = (count + segments - 1) / segments;
+  *lo = min(count, static_cast<int64_t>(seg) * len);
+  *hi = min(count, *lo + len);
+}
+
+// acc[i][j] += sum_{k < K} a(m0 + ty + 16 i, k) * b(n0 + tx + 16 j, k) for the
+// rows < M and columns < N (others contribute 0). 256 threads.
+template <class FA, class FB>
+__device__ __forceinline__ void TileAccumulate(float (&acc)[kRegM][kRegN], int m0, int n0, int M,
+                                               int N, int K, FA a, FB b) {
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  bool mv[kRegM], nv[kRegN];
+#pragma unroll
+  for (int i = 0; i < kRegM; ++i) mv[i] = m0 + ty + 16 * i < M;
+#pragma unroll
+  for (int j = 0; j < kRegN; ++j) nv[j] = n0 + tx + 16 * j < N;
+  for (int k = 0; k < K; ++k) {
+    float av[kRegM], bv[kRegN];
+#pragma unroll
+    for (int i = 0; i < kRegM; ++i) av[i] = mv[i] ? a(m0 + ty + 16 * i, k) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kRegN; ++j) bv[j] = nv[j] ? b(n0 + tx + 16 * j, k) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kRegM; ++i)
+#pragma unroll
+      for (int j = 0; j < kRegN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+  }
+}
+
+// Calls epi(m, n, acc) for the valid elements of the thread's block.
+template <class Epi>
+__device__ __forceinline__ void TileStore(const float (&acc)[kRegM][kRegN], int m0, int n0, int M,
+                                          int N, Epi epi) {
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+#pragma unroll
+  for (int i = 0; i < kRegM; ++i)
+#pragma unroll
+    for (int j = 0; j < kRegN; ++j) {
+      const int m = m0 + ty + 16 * i, n = n0 + tx + 16 * j;
+      if (m < M && n < N) epi(m, n, acc[i][j]);
+    }
+}
+
+__device__ __forceinline__ void ZeroAcc(float (&acc)[kRegM][kRegN]) {
+#pragma unroll
+  for (int i = 0; i < kRegM; ++i)
+#pragma unroll
+    for (int j = 0; j < kRegN; ++j) acc[i][j] = 0.f;
+}
+
+}  // namespace cuda_detail
+}  // namespace smat

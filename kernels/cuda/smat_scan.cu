@@ -1,0 +1,340 @@
+// The short sequential phases of CUDA SMat-Attention: the chunk-local log-decay
+// prefix (Lemma 4), the chunk offsets used by the grouped phases, the exclusive
+// scan over chunks and its adjoint, the exclusive suffix scan (Appendix E), the
+// normalisation with its row-local Jacobian, and the gate gradient.
+//
+// Scans are fp32 and run in a fixed order: over chunks, one thread per state
+// element walks the chunks of its block in order (T/c steps); over tokens, each
+// thread of a (b, h) block sums a contiguous run and one thread combines the
+// runs in order. No atomics anywhere, so results are bitwise repeatable.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "kernels/cuda/smat_device.cuh"
+
+namespace smat {
+namespace {
+
+using cuda_detail::ChunkRow;
+using cuda_detail::kThreads;
+using cuda_detail::LoadIn;
+using cuda_detail::TokenRow;
+
+// ---- F1 -----------------------------------------------------------------------
+// One thread per (b, k, h), consecutive threads on consecutive heads so the
+// logg reads of a warp share cache lines.
+__global__ void ChunkLogDecayKernel(SmatCudaDims d, const float* __restrict__ logg,
+                                    float* __restrict__ lam, float* __restrict__ chunk_decay) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(d.batch) * d.Lc * d.H) return;
+  const int h = static_cast<int>(idx % d.H);
+  const int64_t k = (idx / d.H) % d.Lc;
+  const int b = static_cast<int>(idx / (static_cast<int64_t>(d.H) * d.Lc));
+  const int64_t lo = k * d.chunk, hi = min(lo + d.chunk, static_cast<int64_t>(d.L));
+  float acc = 0.f;
+  for (int64_t i = lo; i < hi; ++i) {
+    const int64_t row = TokenRow(d, b, i, h);
+    acc += logg[row];
+    lam[row] = acc;
+  }
+  chunk_decay[ChunkRow(d, b, k, h)] = acc;
+}
+
+// ---- chunk offsets ---------------------------------------------------------------
+// One block per (b, h). Distant chunks get the suffix sum over later distant
+// chunks of the span, recent chunks the prefix sum over earlier recent chunks.
+// Each thread owns a contiguous run of chunks; thread 0 folds the run totals in
+// order.
+__global__ void ChunkOffsetsKernel(SmatCudaDims d, const float* __restrict__ cd,
+                                   float* __restrict__ off) {
+  __shared__ float dist_run[kThreads], rec_run[kThreads];
+  const int b = blockIdx.x / d.H, h = blockIdx.x % d.H;
+  const int64_t first_global = d.t0 / d.chunk;
+  const int64_t n_chunks = d.n / d.chunk;  // global chunks before n
+  const int64_t run = (d.Lc + kThreads - 1) / kThreads;
+  const int64_t lo = min(static_cast<int64_t>(d.Lc), threadIdx.x * run);
+  const int64_t hi = min(static_cast<int64_t>(d.Lc), lo + run);
+  float ds = 0.f, rs = 0.f;
+  for (int64_t k = lo; k < hi; ++k) {
+    const float c = cd[ChunkRow(d, b, k, h)];
+    if (first_global + k < n_chunks) ds += c; else rs += c;
+  }
+  dist_run[threadIdx.x] = ds;
+  rec_run[threadIdx.x] = rs;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // dist_run[t] <- sum over later runs (exclusive suffix); rec_run[t] <- sum
+    // over earlier runs (exclusive prefix).
+    float acc = 0.f;
+    for (int t = kThreads - 1; t >= 0; --t) {
+      const float x = dist_run[t];
+      dist_run[t] = acc;
+      acc += x;
+    }
+    acc = 0.f;
+    for (int t = 0; t < kThreads; ++t) {
+      const float x = rec_run[t];
+      rec_run[t] = acc;
+      acc += x;
+    }
+  }
+  __syncthreads();
+  // Distant: walk the run backwards; recent: forwards.
+  float acc = dist_run[threadIdx.x];
+  for (int64_t k = hi - 1; k >= lo; --k) {
+    if (first_global + k < n_chunks) {
+      off[ChunkRow(d, b, k, h)] = acc;
+      acc += cd[ChunkRow(d, b, k, h)];
+    }
+  }
+  acc = rec_run[threadIdx.x];
+  for (int64_t k = lo; k < hi; ++k) {
+    if (first_global + k >= n_chunks) {
+      off[ChunkRow(d, b, k, h)] = acc;
+      acc += cd[ChunkRow(d, b, k, h)];
+    }
+  }
+}
+
+// Local chunk range [*k0, *k1) of block blk inside the span.
+__device__ __forceinline__ void BlockChunks(const SmatCudaDims& d, int blk, int64_t* k0,
+                                            int64_t* k1) {
+  const int64_t first_global = d.t0 / d.chunk;
+  const int64_t n_chunks = d.n / d.chunk;
+  const int64_t split = min(static_cast<int64_t>(d.Lc), cuda_detail::Max64(0, n_chunks - first_global));
+  if (blk == 0) {
+    *k0 = 0;
+    *k1 = split;
+  } else {
+    *k0 = split;
+    *k1 = d.Lc;
+  }
+}
+
+// ---- F3 ---------------------------------------------------------------------------
+// grid (ceil(r p / 256), batch * H, 2 blocks). Y carries the state with the
+// incoming one, X the span's own part (span_state), both in chunk order.
+__global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
+                                const float* __restrict__ cd, const float* __restrict__ incoming,
+                                float* __restrict__ S_in, float* __restrict__ span_state,
+                                float* __restrict__ span_decay) {
+  const int64_t W = static_cast<int64_t>(d.r) * d.p;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int b = blockIdx.y / d.H, h = blockIdx.y % d.H, blk = blockIdx.z;
+  int64_t k0, k1;
+  BlockChunks(d, blk, &k0, &k1);
+  const int64_t blk_row = (static_cast<int64_t>(b) * 2 + blk) * d.H + h;
+  if (w == 0) {
+    float s = 0.f;
+    if (cd != nullptr)
+      for (int64_t k = k0; k < k1; ++k) s += cd[ChunkRow(d, b, k, h)];
+    span_decay[blk_row] = s;
+  }
+  if (w >= W) return;
+  float Y = (k0 < k1 && incoming != nullptr) ? incoming[blk_row * W + w] : 0.f;
+  float X = 0.f;
+  for (int64_t k = k0; k < k1; ++k) {
+    const int64_t row = ChunkRow(d, b, k, h);
+    const float e = cd != nullptr ? expf(cd[row]) : 1.f;
+    const float Dk = D[row * W + w];
+    if (S_in != nullptr) S_in[row * W + w] = Y;
+    Y = fmaf(e, Y, Dk);
+    X = fmaf(e, X, Dk);
+  }
+  span_state[blk_row * W + w] = X;
+}
+
+// ---- B6 ---------------------------------------------------------------------------
+// Sigma[k] = S_in_bar[k] + exp(cd[k]) Sigma[k+1], D_bar[k] = Sigma[k+1], walked
+// from the last chunk of the block's part down.
+__global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict__ S_in_bar,
+                                        const float* __restrict__ cd,
+                                        const float* __restrict__ incoming_grad,
+                                        float* __restrict__ D_bar,
+                                        float* __restrict__ span_state_grad) {
+  const int64_t W = static_cast<int64_t>(d.r) * d.p;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (w >= W) return;
+  const int b = blockIdx.y / d.H, h = blockIdx.y % d.H, blk = blockIdx.z;
+  int64_t k0, k1;
+  BlockChunks(d, blk, &k0, &k1);
+  const int64_t blk_row = (static_cast<int64_t>(b) * 2 + blk) * d.H + h;
+  float Y = (k0 < k1 && incoming_grad != nullptr) ? incoming_grad[blk_row * W + w] : 0.f;
+  float X = 0.f;                                              // the span's own part
+  for (int64_t k = k1 - 1; k >= k0; --k) {
+    const int64_t row = ChunkRow(d, b, k, h);
+    const float e = cd != nullptr ? expf(cd[row]) : 1.f;
+    const float g = S_in_bar[row * W + w];
+    D_bar[row * W + w] = Y;
+    Y = fmaf(e, Y, g);
+    X = fmaf(e, X, g);
+  }
+  span_state_grad[blk_row * W + w] = X;
+}
+
+// ---- F8 ---------------------------------------------------------------------------
+__global__ void NormalizeKernel(SmatCudaDims d, const float* __restrict__ ybar, float eps,
+                                void* __restrict__ o, bool o_bf16, float* __restrict__ den) {
+  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       idx < rows * d.dv; idx += stride) {
+    const int64_t row = idx / d.dv, j = idx % d.dv;
+    const float dn = ybar[row * d.p + d.dv] + eps;
+    const float val = ybar[row * d.p + j] / dn;
+    if (o_bf16) {
+      static_cast<__nv_bfloat16*>(o)[idx] = __float2bfloat16(val);
+    } else {
+      static_cast<float*>(o)[idx] = val;
+    }
+    if (j == 0) den[row] = dn;
+  }
+}
+
+// ---- B1 ---------------------------------------------------------------------------
+// One warp per row; the dot product do . o is a fixed shuffle tree.
+__global__ void NormalizeBackwardKernel(SmatCudaDims d, const void* __restrict__ d_o,
+                                        bool do_bf16, const void* __restrict__ o, bool o_bf16,
+                                        const float* __restrict__ den, float eps,
+                                        float* __restrict__ gbar, float* __restrict__ dlam_row) {
+  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (row >= rows) return;
+  const float dn = den[row];
+  float dot = 0.f;
+  for (int j = lane; j < d.dv; j += 32) {
+    const float g = LoadIn(d_o, row * d.dv + j, do_bf16);
+    dot = fmaf(g, LoadIn(o, row * d.dv + j, o_bf16), dot);
+    gbar[row * d.p + j] = g / dn;
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+  if (lane == 0) {
+    gbar[row * d.p + d.dv] = -dot / dn;
+    if (dlam_row != nullptr) dlam_row[row] = eps * dot / dn;
+  }
+}
+
+// ---- B8 ---------------------------------------------------------------------------
+// dlam_t = dlam_row_t - psi_t . psi_bar_t, one warp per row.
+__global__ void GateRowGradKernel(SmatCudaDims d, const void* __restrict__ psi,
+                                  const float* __restrict__ psi_bar,
+                                  const float* __restrict__ dlam_row, float* __restrict__ dlam) {
+  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (row >= rows) return;
+  float dot = 0.f;
+  for (int i = lane; i < d.r; i += 32)
+    dot = fmaf(LoadIn(psi, row * d.r + i, d.bf16), psi_bar[row * d.r + i], dot);
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+  if (lane == 0) dlam[row] = dlam_row[row] - dot;
+}
+
+// logg_bar[i] = suffix_in + sum_{j >= i} dlam[j] within the span, one block per
+// (b, h): runs per thread, run totals folded by thread 0 (last run first).
+__global__ void SuffixSumKernel(SmatCudaDims d, const float* __restrict__ dlam,
+                                const float* __restrict__ suffix_in,
+                                float* __restrict__ logg_bar, float* __restrict__ span_sum) {
+  __shared__ float runs[kThreads];
+  const int b = blockIdx.x / d.H, h = blockIdx.x % d.H;
+  const int64_t run = (static_cast<int64_t>(d.L) + kThreads - 1) / kThreads;
+  const int64_t lo = min(static_cast<int64_t>(d.L), threadIdx.x * run);
+  const int64_t hi = min(static_cast<int64_t>(d.L), lo + run);
+  float s = 0.f;
+  for (int64_t i = hi - 1; i >= lo; --i) s += dlam[TokenRow(d, b, i, h)];
+  runs[threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float acc = 0.f;
+    for (int t = kThreads - 1; t >= 0; --t) {
+      const float x = runs[t];
+      runs[t] = acc;
+      acc += x;
+    }
+    span_sum[blockIdx.x] = acc;
+  }
+  __syncthreads();
+  const float base = suffix_in != nullptr ? suffix_in[blockIdx.x] : 0.f;
+  float acc = runs[threadIdx.x];
+  for (int64_t i = hi - 1; i >= lo; --i) {
+    const int64_t row = TokenRow(d, b, i, h);
+    acc += dlam[row];
+    logg_bar[row] = base + acc;
+  }
+}
+
+int GridFor(int64_t n, int threads) { return static_cast<int>((n + threads - 1) / threads); }
+
+}  // namespace
+
+cudaError_t LaunchSmatChunkLogDecay(const SmatCudaDims& d, const float* logg, float* lam,
+                                    float* chunk_decay, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(d.batch) * d.Lc * d.H;
+  if (n == 0) return cudaSuccess;
+  ChunkLogDecayKernel<<<GridFor(n, kThreads), kThreads, 0, stream>>>(d, logg, lam, chunk_decay);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSmatChunkOffsets(const SmatCudaDims& d, const float* chunk_decay, float* off,
+                                   cudaStream_t stream) {
+  ChunkOffsetsKernel<<<d.batch * d.H, kThreads, 0, stream>>>(d, chunk_decay, off);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSmatChunkScan(const SmatCudaDims& d, const float* D, const float* chunk_decay,
+                                const float* incoming, float* S_in, float* span_state,
+                                float* span_decay, cudaStream_t stream) {
+  const dim3 grid(GridFor(static_cast<int64_t>(d.r) * d.p, kThreads), d.batch * d.H, 2);
+  ChunkScanKernel<<<grid, kThreads, 0, stream>>>(d, D, chunk_decay, incoming, S_in, span_state,
+                                                 span_decay);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSmatChunkScanBackward(const SmatCudaDims& d, const float* S_in_bar,
+                                        const float* chunk_decay, const float* incoming_grad,
+                                        float* D_bar, float* span_state_grad,
+                                        cudaStream_t stream) {
+  const dim3 grid(GridFor(static_cast<int64_t>(d.r) * d.p, kThreads), d.batch * d.H, 2);
+  ChunkScanBackwardKernel<<<grid, kThreads, 0, stream>>>(d, S_in_bar, chunk_decay, incoming_grad,
+                                                         D_bar, span_state_grad);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSmatNormalize(const SmatCudaDims& d, const float* ybar, float eps, void* o,
+                                bool o_bf16, float* den, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(d.batch) * d.L * d.H * d.dv;
+  if (n == 0) return cudaSuccess;
+  const int grid = static_cast<int>(cuda_detail::Min64(GridFor(n, kThreads), 132 * 32));
+  NormalizeKernel<<<grid, kThreads, 0, stream>>>(d, ybar, eps, o, o_bf16, den);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSmatNormalizeBackward(const SmatCudaDims& d, const void* d_o, bool do_bf16,
+                                        const void* o, bool o_bf16, const float* den, float eps,
+                                        float* gbar, float* dlam_row, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
+  if (rows == 0) return cudaSuccess;
+  NormalizeBackwardKernel<<<GridFor(rows * 32, kThreads), kThreads, 0, stream>>>(
+      d, d_o, do_bf16, o, o_bf16, den, eps, gbar, dlam_row);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSmatLogDecayBackward(const SmatCudaDims& d, const void* psi,
+                                       const float* psi_bar, const float* dlam_row,
+                                       const float* suffix_in, float* dlam, float* logg_bar,
+                                       float* span_sum, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
+  if (rows == 0) return cudaSuccess;
+  GateRowGradKernel<<<GridFor(rows * 32, kThreads), kThreads, 0, stream>>>(d, psi, psi_bar,
+                                                                           dlam_row, dlam);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  SuffixSumKernel<<<d.batch * d.H, kThreads, 0, stream>>>(d, dlam, suffix_in, logg_bar, span_sum);
+  return cudaGetLastError();
+}
+
+}  // namespace smat
