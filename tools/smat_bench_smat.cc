@@ -1,0 +1,154 @@
+// SMat-Attention benchmarks of smat_bench (see smat_bench_smat.h).
+#include "tools/smat_bench_smat.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/convert.h"
+#include "core/rng.h"
+#include "core/status.h"
+#include "kernels/smat.h"
+
+namespace smat {
+namespace {
+
+// Random host tensor (Philox, so a run is reproducible), moved to the backend's
+// device in `dtype`.
+absl::StatusOr<Tensor> RandomOnDevice(Backend& backend, Shape shape, DType dtype, uint64_t seed,
+                                      float lo, float hi) {
+  SMAT_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(shape, DType::kF32));
+  SMAT_RETURN_IF_ERROR(FillUniform(host, seed, 0, lo, hi));
+  if (dtype != DType::kF32) {
+    SMAT_ASSIGN_OR_RETURN(host, ConvertDType(host, dtype));
+  }
+  if (backend.device().is_cpu()) return host;
+  SMAT_ASSIGN_OR_RETURN(Tensor dev, Tensor::Empty(shape, dtype, backend.allocator()));
+  SMAT_RETURN_IF_ERROR(backend.Copy(host, dev));
+  SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+  return dev;
+}
+
+struct BenchProblem {
+  SmatPlan plan;
+  SmatInputs in;
+  Tensor d_o;  // [batch, T, H, dv] fp32
+};
+
+absl::StatusOr<BenchProblem> MakeProblem(Backend& backend, const SmatBenchConfig& cfg, int64_t T,
+                                         int d) {
+  if (cfg.reps < 1 || cfg.warmup < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--reps must be >= 1 and --warmup >= 0; got ", cfg.reps, ", ", cfg.warmup));
+  }
+  BenchProblem pr;
+  SMAT_ASSIGN_OR_RETURN(pr.plan, MakeSmatPlan(T, d, cfg.chunk, cfg.q));
+  const int64_t B = cfg.batch, H = cfg.heads;
+  // Features in [0.05, 1] as after elu+1 of small projections; values in [-1, 1].
+  SMAT_ASSIGN_OR_RETURN(pr.in.phi, RandomOnDevice(backend, {B, T, H, cfg.r}, cfg.dtype, cfg.seed, 0.05f, 1.f));
+  SMAT_ASSIGN_OR_RETURN(pr.in.psi, RandomOnDevice(backend, {B, T, H, cfg.r}, cfg.dtype, cfg.seed + 1, 0.05f, 1.f));
+  SMAT_ASSIGN_OR_RETURN(pr.in.v, RandomOnDevice(backend, {B, T, H, cfg.dv}, cfg.dtype, cfg.seed + 2, -1.f, 1.f));
+  if (cfg.gated) {
+    SMAT_ASSIGN_OR_RETURN(pr.in.logg, RandomOnDevice(backend, {B, T, H}, DType::kF32, cfg.seed + 3, -0.05f, 0.f));
+  }
+  pr.in.eps = 1e-6f;
+  return pr;
+}
+
+// Runs `body` warmup + reps times, timing each run with backend events.
+template <typename Body>
+absl::StatusOr<std::vector<double>> TimeRuns(Backend& backend, const SmatBenchConfig& cfg,
+                                             Body body) {
+  SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> start, backend.CreateEvent());
+  SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> stop, backend.CreateEvent());
+  std::vector<double> ms;
+  for (int i = 0; i < cfg.warmup + cfg.reps; ++i) {
+    SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+    SMAT_RETURN_IF_ERROR(backend.Record(*start, nullptr));
+    SMAT_RETURN_IF_ERROR(body());
+    SMAT_RETURN_IF_ERROR(backend.Record(*stop, nullptr));
+    SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+    SMAT_ASSIGN_OR_RETURN(float elapsed, backend.ElapsedMs(*start, *stop));
+    if (i >= cfg.warmup) ms.push_back(elapsed);
+  }
+  return ms;
+}
+
+SmatBenchResult Summarize(std::string what, const BenchProblem& pr, const SmatBenchConfig& cfg,
+                          std::vector<double> ms) {
+  std::sort(ms.begin(), ms.end());
+  SmatBenchResult r;
+  r.what = std::move(what);
+  r.plan = pr.plan;
+  r.cfg = cfg;
+  r.median_ms = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+  r.min_ms = ms.front();
+  r.tokens_per_s = static_cast<double>(cfg.batch * pr.plan.T) / (r.median_ms * 1e-3);
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<SmatBenchResult> BenchSmatForward(Backend& backend, const SmatBenchConfig& cfg,
+                                                 int64_t T, int d) {
+  SMAT_ASSIGN_OR_RETURN(BenchProblem pr, MakeProblem(backend, cfg, T, d));
+  SMAT_ASSIGN_OR_RETURN(std::vector<double> ms, TimeRuns(backend, cfg, [&]() -> absl::Status {
+    SmatForwardOutputs fwd;
+    return SmatForward(backend, pr.plan, pr.in, &fwd);
+  }));
+  return Summarize("forward", pr, cfg, std::move(ms));
+}
+
+absl::StatusOr<SmatBenchResult> BenchSmatForwardBackward(Backend& backend,
+                                                         const SmatBenchConfig& cfg, int64_t T,
+                                                         int d) {
+  SMAT_ASSIGN_OR_RETURN(BenchProblem pr, MakeProblem(backend, cfg, T, d));
+  SMAT_ASSIGN_OR_RETURN(pr.d_o, RandomOnDevice(backend, {cfg.batch, T, cfg.heads, cfg.dv},
+                                               DType::kF32, cfg.seed + 4, -1.f, 1.f));
+  SMAT_ASSIGN_OR_RETURN(std::vector<double> ms, TimeRuns(backend, cfg, [&]() -> absl::Status {
+    SmatForwardOutputs fwd;
+    SMAT_RETURN_IF_ERROR(SmatForward(backend, pr.plan, pr.in, &fwd));
+    SmatGradients grads;
+    return SmatBackward(backend, pr.plan, pr.in, fwd, pr.d_o, &grads);
+  }));
+  return Summarize("forward+backward", pr, cfg, std::move(ms));
+}
+
+std::string FormatSmatBenchResult(const SmatBenchResult& r) {
+  const SmatPlan& p = r.plan;
+  return absl::StrFormat(
+      "smat %-16s T=%d d=%d q=%d P=%d B=%d n=%d batch=%d heads=%d r=%d dv=%d chunk=%d gated=%d "
+      "%s: %.3f ms (median of %d, min %.3f), %.4g tokens/s",
+      r.what, p.T, p.geo.d, p.geo.q, p.geo.P, p.geo.B, p.n, r.cfg.batch, r.cfg.heads, r.cfg.r,
+      r.cfg.dv, p.chunk, r.cfg.gated ? 1 : 0, DTypeName(r.cfg.dtype), r.median_ms, r.cfg.reps,
+      r.min_ms, r.tokens_per_s);
+}
+
+absl::StatusOr<std::string> SmatBenchSweep(Backend& backend, const SmatBenchConfig& cfg,
+                                           const std::vector<int64_t>& Ts,
+                                           const std::vector<int>& ds) {
+  std::string table =
+      "| d | T | q | P | B | forward ms | fwd ns/token | fwd+bwd ms | fwd+bwd ns/token |\n"
+      "|---|---|---|---|---|---|---|---|---|\n";
+  for (int d : ds) {
+    for (int64_t T : Ts) {
+      SMAT_ASSIGN_OR_RETURN(SmatBenchResult f, BenchSmatForward(backend, cfg, T, d));
+      SMAT_ASSIGN_OR_RETURN(SmatBenchResult fb, BenchSmatForwardBackward(backend, cfg, T, d));
+      const double tokens = static_cast<double>(cfg.batch * T);
+      const std::string row = absl::StrFormat(
+          "| %d | %d | %d | %d | %d | %.1f | %.0f | %.1f | %.0f |\n", d, T, f.plan.geo.q,
+          f.plan.geo.P, f.plan.geo.B, f.median_ms, f.median_ms * 1e6 / tokens, fb.median_ms,
+          fb.median_ms * 1e6 / tokens);
+      std::fputs(row.c_str(), stderr);  // progress: the sweep takes minutes on a CPU
+      table += row;
+    }
+  }
+  return table;
+}
+
+}  // namespace smat
