@@ -145,6 +145,23 @@ absl::Status CountingSort(int64_t begin, int64_t end, int64_t groups, KeyFn key,
   return absl::OkStatus();
 }
 
+// Local tokens i in [begin, end) grouped by (t0 + i + shift) mod period: each
+// group is an arithmetic progression with step `period`, no sort needed.
+void ArithmeticGroups(int64_t begin, int64_t end, int64_t t0, int64_t shift, int64_t period,
+                      TokenGroups* out) {
+  out->off.assign(period + 1, 0);
+  out->idx.clear();
+  out->idx.reserve(std::max<int64_t>(end - begin, 0));
+  // Key of token `begin`; group x starts at begin + ((x - k0) mod period).
+  const int64_t k0 = ((t0 + begin + shift) % period + period) % period;
+  for (int64_t x = 0; x < period; ++x) {
+    for (int64_t i = begin + (x - k0 + period) % period; i < end; i += period) {
+      out->idx.push_back(i);
+    }
+    out->off[x + 1] = static_cast<int64_t>(out->idx.size());
+  }
+}
+
 }  // namespace
 
 absl::Status GroupByProfile(const SmatPlan& plan, const SpanDims& s, const Tensor& prof,
@@ -155,9 +172,9 @@ absl::Status GroupByProfile(const SmatPlan& plan, const SpanDims& s, const Tenso
     return CountingSort(0, s.id, g.P, [&](int64_t i) { return int64_t{p[s.Tok(b, i, h)]}; },
                         "profile", groups);
   }
-  // Positional: each group is an arithmetic progression with step P.
-  return CountingSort(0, s.id, g.P, [&](int64_t i) { return PositionalProfile(g, s.t0 + i); },
-                      "profile", groups);
+  // Positional prof(s) = s mod P (core/geometry.h).
+  ArithmeticGroups(0, s.id, s.t0, 0, g.P, groups);
+  return absl::OkStatus();
 }
 
 absl::Status GroupByType(const SmatPlan& plan, const SpanDims& s, const Tensor& type,
@@ -168,9 +185,9 @@ absl::Status GroupByType(const SmatPlan& plan, const SpanDims& s, const Tensor& 
     return CountingSort(s.id, s.L, g.B, [&](int64_t i) { return int64_t{p[s.Tok(b, i, h)]}; },
                         "type", groups);
   }
-  return CountingSort(s.id, s.L, g.B,
-                      [&](int64_t i) { return PositionalType(g, s.n, s.t0 + i); }, "type",
-                      groups);
+  // Positional type(t) = (t - n) mod B.
+  ArithmeticGroups(s.id, s.L, s.t0, -s.n, g.B, groups);
+  return absl::OkStatus();
 }
 
 void Sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
