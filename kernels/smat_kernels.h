@@ -29,8 +29,10 @@
 //   * The span touches the distant block when t0 < n (its distant part is
 //     [t0, min(t1, n))) and the recent block when t1 > n (recent part
 //     [max(t0, n), t1)). Per-block tensors have a leading block index
-//     kDistant = 0 / kRecent = 1: [batch, 2, H, ...]; a block the span does not
-//     touch gets zeros on output and is ignored on input.
+//     kDistantBlock = 0 / kRecentBlock = 1: [batch, 2, H, ...]; a block the
+//     span does not touch gets zeros (state, decay, gradient) on output and is
+//     ignored on input, so folds may run over all ranks: untouched ranks act
+//     as the identity.
 //   * What crosses span boundaries is explicit (a single span [0, T) passes
 //     zeros for every "incoming" input):
 //     (i)   ChunkScan outputs span_state[blk] = the span's own contribution to
@@ -53,8 +55,8 @@
 //           (sum) to get F referred to Lambda_{n-1}.
 //     (iv)  recent_offset[b, h] = sum of logg over [n, max(t0, n)): the decay
 //           from Lambda_{n-1} to the token before the span's recent part (0
-//           when t0 <= n), so a recent t reads gate_t = exp(Lambda_t -
-//           Lambda_{n-1}).
+//           when t0 <= n): the sum of span_decay[kRecentBlock] over earlier
+//           ranks. A recent t reads gate_t = exp(Lambda_t - Lambda_{n-1}).
 //     Backward mirrors it. ChunkScanBackward takes incoming_grad[blk] = dL/dX,
 //     X = the block state at the end of the span's part of blk (what the next
 //     span receives as incoming), and outputs span_state_grad[blk] =
