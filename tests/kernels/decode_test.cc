@@ -1,6 +1,6 @@
 // Tests of the decoders and the stepped-window forward pass (kernels/decode.h):
 // the fixed-horizon decoder against a dense double reference of the SMat mask
-// (eq. 4, 6, 13), and the stepped-window decoder against both the stepped-window
+// (eq. 4, 6, 13) and the chunked SMat op (kernels/smat.h), and the stepped-window decoder against both the stepped-window
 // forward pass and the dense reference of Definition 1, at every position,
 // gated and not, d = 1..3, odd sizes, positional and content maps, and past T_max.
 #include "kernels/decode.h"
@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "core/geometry.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/smat.h"
 
 namespace smat {
 namespace {
@@ -95,7 +97,8 @@ std::vector<float> Decode(Decoder& dec, const Problem& pr) {
   return o;
 }
 
-// fp32 states and inputs against a double reference. Every output row is a
+// fp32 states and inputs against a double reference (or against the chunked
+// fp32 op, whose own rounding is of the same size). Every output row is a
 // ratio of sums of at most T positive-weight terms accumulated in fp32
 // (relative rounding ~T * 2^-24 in the worst case, ~sqrt(T) * 2^-24 typical);
 // the tolerance is relative to max(|o_ref|, 0.1) (0.1: outputs that cancel to
@@ -150,6 +153,32 @@ TEST(FixedHorizonDecoderTest, MatchesDenseSmatMask) {
     absl::Status past = dec->Step(TokenAt(pr.in, 0), &ot);
     EXPECT_EQ(past.code(), absl::StatusCode::kOutOfRange) << past;
     EXPECT_NE(past.message().find("stepped-window"), std::string::npos);
+  }
+}
+
+// The fixed-horizon decoder against the chunked SMat op (kernels/smat.h on the
+// CPU backend): two fp32 computations of the same outputs in different orders.
+TEST(FixedHorizonDecoderTest, MatchesChunkedSmatOp) {
+  auto cpu = CreateBackend(Device::Cpu());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const std::vector<Case> cases = {
+      {63, 1, 4, 0, true, false},   {127, 2, 8, 0, false, false}, {127, 2, 8, 0, true, false},
+      {203, 3, 8, 0, true, false},  {131, 3, 4, 3, true, true},
+  };
+  uint64_t seed = 50;
+  for (const Case& c : cases) {
+    auto plan = MakeSmatPlan(c.T, c.d, c.chunk, c.q);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    Problem pr = MakeProblem(2, c.T, 3, 7, 5, c.gated, c.content ? &plan->geo : nullptr, seed++);
+    pr.in.eps = 1e-6f;
+    SmatForwardOutputs fwd;
+    absl::Status s = SmatForward(**cpu, *plan, pr.in, &fwd);
+    ASSERT_TRUE(s.ok()) << s;
+    auto dec = FixedHorizonDecoder::Create(*plan, {pr.batch, pr.H, pr.r, pr.dv}, pr.in.eps);
+    ASSERT_TRUE(dec.ok()) << dec.status();
+    std::vector<double> op(fwd.o.data<float>(), fwd.o.data<float>() + fwd.o.numel());
+    ExpectClose(Decode(*dec, pr), op, pr,
+                absl::StrCat("vs SmatForward T=", c.T, " d=", c.d, " gated=", c.gated));
   }
 }
 
