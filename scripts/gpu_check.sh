@@ -25,8 +25,22 @@ else
   echo "gpu_check: nvidia-smi not found; the GPU tests will fail (SMAT_REQUIRE_GPU=1)" >&2
 fi
 
-generator=()
-command -v ninja > /dev/null && generator=(-G Ninja)
-cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSMAT_CUDA=on
+cmake_args=(-DCMAKE_BUILD_TYPE=Release -DSMAT_CUDA=on)
+command -v ninja > /dev/null && cmake_args+=(-G Ninja)
+# Debian's zlib1g-dev, unpacked on another distribution (the H200 hosts), has
+# a libz.so that points at a libz.so.1.2.13 the host does not have; CMake then
+# falls back to the non-PIC libz.a and libsmat_core.so fails to link. Use the
+# host's shared zlib instead.
+for prefix in ${CMAKE_PREFIX_PATH//:/ }; do
+  dev_link="$prefix/lib/x86_64-linux-gnu/libz.so"
+  if [ -L "$dev_link" ] && [ ! -e "$dev_link" ]; then
+    host_zlib=$(ldconfig -p | awk '/libz\.so\.1 .*x86-64/ {print $NF; exit}')
+    if [ -n "$host_zlib" ]; then
+      echo "gpu_check: $dev_link is a dangling link; using $host_zlib"
+      cmake_args+=(-DZLIB_LIBRARY="$host_zlib")
+    fi
+  fi
+done
+cmake -S . -B "$build" "${cmake_args[@]}"
 cmake --build "$build" -j "$(nproc)" --target smat_cuda gpu_test gpu_exposer_test
 SMAT_REQUIRE_GPU=1 ctest --test-dir "$build" -L gpu --output-on-failure
