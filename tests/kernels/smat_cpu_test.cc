@@ -189,7 +189,7 @@ TEST(SmatCpuTest, PhaseStatesMatchDirectSums) {
               std::exp(Lambda[n - 1] - Lambda[s2]));
       }
     }
-    EXPECT_LT(MaxRelError(ToDouble(fwd.saved.S_in), S_ref), 1e-5);
+    EXPECT_LT(MaxRelError(ToDouble(fwd.saved.S_in), S_ref), kGradTol);  // v has both signs
     std::vector<double> U_ref(pr.H * g.B * r * p, 0.0);
     for (int64_t h = 0; h < pr.H; ++h) {
       for (int64_t y = 0; y < g.B; ++y) {
@@ -202,7 +202,89 @@ TEST(SmatCpuTest, PhaseStatesMatchDirectSums) {
       }
     }
     ASSERT_GT(MaxAbs(U_ref), 0.0);
-    EXPECT_LT(MaxRelError(ToDouble(fwd.saved.U), U_ref), 1e-5);
+    EXPECT_LT(MaxRelError(ToDouble(fwd.saved.U), U_ref), kGradTol);
+  }
+}
+
+// Backward intermediates against direct double sums (eq. 18, 19): gbar from
+// the division's Jacobian, U_bar = sum_{type(t) = h} gate_t phi_t gbar_t^T,
+// F_bar = C^T U_bar, and S_in_bar[k] = sum_{t in chunk k} exp(Lambda_t -
+// Lambda_{start(k)-1}) phi_t gbar_t^T.
+TEST(SmatCpuTest, BackwardPhaseTablesMatchDirectSums) {
+  for (bool content : {false, true}) {
+    const ProblemSpec s{.T = 211, .H = 1, .r = 5, .dv = 3, .d = 2, .chunk = 16, .gated = true,
+                        .content = content, .eps = 0.1, .seed = 13};
+    SCOPED_TRACE(s.Name());
+    auto plan = MakeSmatPlan(s.T, s.d, s.chunk);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    SmatReferenceProblem pr = RandomProblem(*plan, s);
+    RoundToF32(&pr);
+    const int64_t T = pr.T, r = pr.r, dv = pr.dv, p = pr.p(), n = plan->n, c = plan->chunk;
+    const SmatGeometry& g = plan->geo;
+    std::vector<double> d_o = RandomVector(T * dv, 17);
+    for (double& x : d_o) x = static_cast<float>(x);
+    const SmatReferenceOutputs ref = SmatDenseReference(*plan, pr);
+    std::vector<double> gref(T * p), Lambda(T);
+    double acc = 0.0;
+    for (int64_t t = 0; t < T; ++t) {
+      acc += pr.logg[t];
+      Lambda[t] = acc;
+      const double den = ref.ybar[t * p + dv] + pr.eps;
+      double dot = 0.0;
+      for (int64_t k = 0; k < dv; ++k) {
+        gref[t * p + k] = d_o[t * dv + k] / den;
+        dot += d_o[t * dv + k] * ref.o[t * dv + k];
+      }
+      gref[t * p + dv] = -dot / den;
+    }
+    std::vector<double> Ub_ref(g.B * r * p, 0.0), Sb_ref(plan->num_chunks * r * p, 0.0);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t start = (t / c) * c;
+      const double w_state = std::exp(Lambda[t] - (start > 0 ? Lambda[start - 1] : 0.0));
+      const double w_read = n > 0 ? std::exp(Lambda[t] - Lambda[n - 1]) : 0.0;
+      for (int64_t i = 0; i < r; ++i) {
+        for (int64_t k = 0; k < p; ++k) {
+          const double pg = pr.phi[t * r + i] * gref[t * p + k];
+          Sb_ref[((t / c) * r + i) * p + k] += w_state * pg;
+          if (t >= n) Ub_ref[(pr.Type(*plan, 0, 0, t) * r + i) * p + k] += w_read * pg;
+        }
+      }
+    }
+    std::vector<double> Fb_ref(g.P * r * p, 0.0);
+    for (int64_t y = 0; y < g.B; ++y) {
+      for (int64_t x = 0; x < g.P; ++x) {
+        if (!g.Incident(y, x)) continue;
+        for (int64_t w = 0; w < r * p; ++w) Fb_ref[x * r * p + w] += Ub_ref[y * r * p + w];
+      }
+    }
+
+    auto backend = CreateBackend(Device::Cpu());
+    ASSERT_TRUE(backend.ok());
+    std::unique_ptr<SmatKernels> k = MakeCpuSmatKernels();
+    const SmatInputs in = MakeInputs(pr);
+    SmatForwardOutputs fwd;
+    ASSERT_TRUE(SmatForward(**backend, *k, *plan, in, &fwd).ok());
+    const SmatSpan span = SmatSpan::Whole(*plan);
+    Tensor gbar = ToF32(std::vector<double>(T * p), {1, T, 1, p});
+    Tensor row = ToF32(std::vector<double>(T), {1, T, 1});
+    ASSERT_TRUE(k->NormalizeBackward(ToF32(d_o, {1, T, 1, dv}), fwd.o, fwd.saved.den, in.eps,
+                                     &gbar, &row, nullptr).ok());
+    EXPECT_LT(MaxRelError(ToDouble(gbar), gref), kGradTol);
+    Tensor phi_bar = ToF32(std::vector<double>(T * r), {1, T, 1, r});
+    Tensor U_bar = ToF32(std::vector<double>(g.B * r * p), {1, 1, g.B, r, p});
+    ASSERT_TRUE(k->TypeReadsBackward(*plan, span, in.phi, fwd.saved.U, gbar, fwd.saved.lam,
+                                     fwd.saved.chunk_decay, Tensor(), in.type, &phi_bar, &U_bar,
+                                     nullptr).ok());
+    ASSERT_GT(MaxAbs(Ub_ref), 0.0);
+    EXPECT_LT(MaxRelError(ToDouble(U_bar), Ub_ref), kGradTol);
+    Tensor F_bar = ToF32(std::vector<double>(g.P * r * p), {1, 1, g.P, r, p});
+    ASSERT_TRUE(k->TabulateBackward(*plan, U_bar, &F_bar, nullptr).ok());
+    EXPECT_LT(MaxRelError(ToDouble(F_bar), Fb_ref), kGradTol);
+    Tensor S_in_bar = ToF32(std::vector<double>(plan->num_chunks * r * p),
+                            {1, plan->num_chunks, 1, r, p});
+    ASSERT_TRUE(k->ChunkStateGradients(*plan, span, in.phi, gbar, fwd.saved.lam, &S_in_bar,
+                                       nullptr).ok());
+    EXPECT_LT(MaxRelError(ToDouble(S_in_bar), Sb_ref), kGradTol);
   }
 }
 
