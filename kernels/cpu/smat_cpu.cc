@@ -221,7 +221,14 @@ absl::Status CpuSmatKernels::ChunkLogDecay(const SmatPlan& plan, const SmatSpan&
         // relative error of every weight), and this is O(T) work.
         double acc = 0.0;
         for (int64_t i = s.ChunkBegin(j); i < s.ChunkEnd(j); ++i) {
-          acc += g[s.Tok(b, i, h)];
+          const float gi = g[s.Tok(b, i, h)];
+          if (!(gi <= 0.f)) {  // also NaN
+            return absl::InvalidArgumentError(absl::StrCat(
+                "smat cpu: logg must be <= 0 (the log of a decay in (0, 1]); got ", gi,
+                " at batch ", b, ", span token ", i, ", head ", h,
+                "; compute it as log_sigmoid or -softplus"));
+          }
+          acc += gi;
           l[s.Tok(b, i, h)] = static_cast<float>(acc);
         }
         cd[s.Chk(b, j, h)] = static_cast<float>(acc);

@@ -368,6 +368,12 @@ TEST(SmatCpuTest, RejectsBadSpansShapesAndIds) {
   Tensor logg = ToF32(std::vector<double>(pr.T * pr.H, -0.1), {1, pr.T, pr.H});
   st = k->ChunkLogDecay(*plan, SmatSpan::Whole(*plan), logg, &lam, &cd, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  // A positive log-gate (a "decay" above 1) is rejected.
+  cd = ToF32(std::vector<double>(7 * pr.H), {1, 7, pr.H});
+  ASSERT_TRUE(k->ChunkLogDecay(*plan, SmatSpan::Whole(*plan), logg, &lam, &cd, nullptr).ok());
+  logg.data<float>()[5] = 0.01f;
+  st = k->ChunkLogDecay(*plan, SmatSpan::Whole(*plan), logg, &lam, &cd, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
 }
 
 }  // namespace
