@@ -1,0 +1,208 @@
+// Training data: token files, the byte-level tokenizer, and the deterministic
+// batch sampler over token files and synthetic recall tasks (MQAR).
+//
+// Token file (written by `smat_data bytes`, read by TokenFile), little-endian:
+//   offset  size  field
+//        0     8  magic "SMATTOK1"
+//        8     4  uint32 version (1)
+//       12     4  uint32 token width in bytes: 1 (uint8), 2 (uint16) or 4 (int32)
+//       16     8  uint64 vocabulary size V (every token is in [0, V))
+//       24     8  uint64 token count N
+//       32  N*w  tokens
+// The file size must be exactly 32 + N * w: anything else is a damaged file.
+//
+// Determinism: a batch is a pure function of (config, step, dp rank). Sequence
+// g = (step * dp + dp_rank) * batch_size + b of the run draws its randomness from
+// Philox (core/rng.h) with key data.seed and stream g, so a resumed run sees the
+// same data as an uninterrupted one and no cursor needs to be carried beyond the
+// step number.
+//
+//   SMAT_ASSIGN_OR_RETURN(auto sampler, BatchSampler::Create(cfg.data(), cfg.model().vocab_size(),
+//                                                            cfg.parallel().dp()));
+//   SMAT_ASSIGN_OR_RETURN(Batch b, sampler->TrainBatch(step, dp_rank));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/config.pb.h"
+#include "core/tensor.h"
+
+namespace smat {
+
+inline constexpr char kTokenFileMagic[8] = {'S', 'M', 'A', 'T', 'T', 'O', 'K', '1'};
+inline constexpr uint32_t kTokenFileVersion = 1;
+inline constexpr int64_t kTokenFileHeaderBytes = 32;
+
+// --- byte-level tokenizer: token = byte value, vocabulary 256 --------------------
+inline constexpr int64_t kByteVocab = 256;
+std::vector<int32_t> EncodeBytes(const std::string& text);
+// Tokens outside [0, 256) are an error (they did not come from EncodeBytes).
+absl::StatusOr<std::string> DecodeBytes(absl::Span<const int32_t> tokens);
+
+// Smallest token width (1, 2 or 4 bytes) that holds every token below vocab_size.
+int TokenWidthForVocab(uint64_t vocab_size);
+
+// Streams tokens into a token file: header first (count patched on Finish),
+// written to a temporary name and renamed onto `path` by Finish, so a crash
+// never leaves a file that looks complete.
+class TokenFileWriter {
+ public:
+  static absl::StatusOr<TokenFileWriter> Create(const std::string& path, uint64_t vocab_size);
+  TokenFileWriter(TokenFileWriter&& other) noexcept;
+  TokenFileWriter& operator=(TokenFileWriter&& other) noexcept;
+  TokenFileWriter(const TokenFileWriter&) = delete;
+  TokenFileWriter& operator=(const TokenFileWriter&) = delete;
+  ~TokenFileWriter();  // without Finish: removes the temporary file
+
+  // Appends tokens; each must be in [0, vocab_size).
+  absl::Status Append(absl::Span<const int32_t> tokens);
+  // Appends raw bytes as tokens (byte tokenizer; needs a 1-byte token width).
+  absl::Status AppendBytes(const char* data, size_t n);
+  // Writes the count, flushes to disk and renames onto the final path.
+  absl::Status Finish();
+  uint64_t count() const { return count_; }
+
+ private:
+  TokenFileWriter() = default;
+  absl::Status WriteRaw(const void* data, size_t n);
+
+  std::string path_;
+  std::string tmp_path_;
+  int fd_ = -1;
+  uint64_t vocab_size_ = 0;
+  int width_ = 1;
+  uint64_t count_ = 0;
+};
+
+// Writes a whole token file at once (tests, small outputs).
+absl::Status WriteTokenFile(const std::string& path, absl::Span<const int32_t> tokens,
+                            uint64_t vocab_size);
+
+// A token file mapped read-only into memory. Movable, not copyable.
+class TokenFile {
+ public:
+  // Opens and validates the header and size. max_vocab > 0 additionally requires
+  // the file's vocabulary to fit the model (file V <= max_vocab). Errors:
+  // kNotFound, kInvalidArgument (not a token file, vocabulary too large),
+  // kDataLoss (unknown version or width, truncated or oversized).
+  static absl::StatusOr<TokenFile> Open(const std::string& path, uint64_t max_vocab = 0);
+  TokenFile(TokenFile&& other) noexcept;
+  TokenFile& operator=(TokenFile&& other) noexcept;
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+  ~TokenFile();
+
+  const std::string& path() const { return path_; }
+  int64_t size() const { return static_cast<int64_t>(count_); }
+  uint64_t vocab_size() const { return vocab_size_; }
+  int token_width() const { return width_; }
+
+  // Copies tokens [start, start + n) into out, checking each is below the
+  // vocabulary (a token outside it means the file is damaged: kDataLoss).
+  absl::Status Read(int64_t start, int64_t n, int32_t* out) const;
+
+ private:
+  TokenFile() = default;
+  void Release();
+
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const unsigned char* tokens_ = nullptr;
+  uint64_t vocab_size_ = 0;
+  uint64_t count_ = 0;
+  int width_ = 1;
+};
+
+// --- byte corpus (smat_data bytes) ----------------------------------------------------
+
+struct ByteCorpusStats {
+  int64_t files = 0;
+  uint64_t train_tokens = 0;
+  uint64_t heldout_tokens = 0;
+};
+
+// Byte-tokenizes files into token files (vocabulary 256). `inputs` are files or
+// directories (walked recursively; regular files only, in sorted path order, so
+// the output is reproducible; the outputs themselves are skipped). From each
+// file the last floor(size * heldout_fraction) bytes go to `heldout_path`, the
+// rest to `train_path`, so every document contributes to both sides and no
+// text is in both. heldout_fraction in [0, 1); 0 writes no held-out file.
+//   WriteByteCorpus({"books/"}, "data/books.bin", "data/books.heldout.bin", 0.01)
+absl::StatusOr<ByteCorpusStats> WriteByteCorpus(const std::vector<std::string>& inputs,
+                                                const std::string& train_path,
+                                                const std::string& heldout_path,
+                                                double heldout_fraction);
+
+// "data/books.bin" -> "data/books.heldout.bin"; other names get ".heldout" appended.
+std::string DefaultHeldoutPath(const std::string& train_path);
+
+// --- batches -----------------------------------------------------------------------
+
+// One step's data for one data-parallel rank. Position t of sequence b predicts
+// targets[b, t] from inputs[b, 0..t]; the loss is averaged over loss_mask.
+struct Batch {
+  Tensor inputs;     // int32 (B, T)
+  Tensor targets;    // int32 (B, T); 0 where loss_mask is 0
+  Tensor loss_mask;  // fp32 (B, T); 1 where the loss counts, else 0
+};
+
+// Multi-query associative recall (Zoology, Arora et al. 2023), one example of
+// length T. Keys are drawn without replacement from [1, vocab/2), values from
+// [vocab/2, vocab); token 0 is filler. The sequence is k_1 v_1 ... k_P v_P, then
+// a query region in which every key appears once, at an even offset, with the
+// filler elsewhere. The target at a query key's position is its value; only
+// those P positions carry loss. Layout UNIFORM: query slots uniformly random
+// over the query region (Zoology draws them from a power law; uniform makes the
+// distance to the pairs uniform). Layout PLACED: the queries fill the last 2P
+// positions, so every query sits T - 4P tokens after the pair region.
+struct MqarSpec {
+  int64_t seq_len = 0;    // T >= 4P
+  int64_t num_pairs = 0;  // P >= 1
+  int64_t vocab = 0;      // >= 2P + 2
+  DataConfig::Layout layout = DataConfig::UNIFORM;
+};
+absl::Status CheckMqarSpec(const MqarSpec& spec);
+// Writes example `index` for `seed`: inputs, targets (int32) and mask (fp32),
+// each of length T.
+void MakeMqarExample(const MqarSpec& spec, uint64_t seed, uint64_t index, int32_t* inputs,
+                     int32_t* targets, float* mask);
+
+class BatchSampler {
+ public:
+  // TEXT opens data.path (and data.heldout_path when set) with the model's
+  // vocabulary as the limit; MQAR needs no files. MULTI_KEY and SUBSET_ROUTING
+  // have no token-level generator (their outputs are not next-token targets) and
+  // are refused with kUnimplemented.
+  static absl::StatusOr<std::unique_ptr<BatchSampler>> Create(const DataConfig& data,
+                                                              int64_t model_vocab, int dp);
+
+  // Training batch of data.batch_size sequences for (step, dp_rank).
+  absl::StatusOr<Batch> TrainBatch(int64_t step, int dp_rank) const;
+  // Evaluation batch `index` (same size): TEXT reads consecutive, non-overlapping
+  // windows of the held-out file (wrapping around); MQAR draws fresh examples
+  // from a stream disjoint from training.
+  absl::StatusOr<Batch> EvalBatch(int64_t index) const;
+  // Number of distinct evaluation batches before TEXT windows repeat (MQAR: 0,
+  // unbounded); 0 also when there is no held-out file.
+  int64_t NumEvalBatches() const;
+  bool has_eval() const;
+
+ private:
+  BatchSampler() = default;
+  absl::StatusOr<Batch> TextBatch(const TokenFile& file, int64_t first_sequence, bool random) const;
+  absl::StatusOr<Batch> MqarBatch(uint64_t first_example, uint64_t stream_base) const;
+
+  DataConfig data_;
+  int dp_ = 1;
+  std::unique_ptr<TokenFile> train_;
+  std::unique_ptr<TokenFile> heldout_;
+};
+
+}  // namespace smat
