@@ -134,8 +134,10 @@ TEST(SmatCpuTest, OpMatchesDenseReferenceLong) {
   for (bool gated : {false, true}) {
     CheckOpAgainstReference({.T = 1000, .H = 1, .r = 8, .dv = 4, .d = 2, .chunk = 64,
                              .gated = gated, .seed = 3});
-    CheckOpAgainstReference({.T = 1000, .H = 1, .r = 6, .dv = 3, .d = 4, .chunk = 32,
-                             .gated = gated, .content = true, .seed = 4});
+    for (bool content : {false, true}) {
+      CheckOpAgainstReference({.T = 1000, .H = 1, .r = 6, .dv = 3, .d = 4, .chunk = 32,
+                               .gated = gated, .content = content, .seed = 4});
+    }
     CheckOpAgainstReference({.T = 1031, .H = 1, .r = 60, .dv = 3, .d = 3, .chunk = 128,
                              .gated = gated, .seed = 5});
     CheckOpAgainstReference({.T = 1031, .H = 1, .r = 5, .dv = 2, .d = 1, .chunk = 16,
