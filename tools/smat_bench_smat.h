@@ -53,7 +53,8 @@ absl::StatusOr<SmatBenchResult> BenchSmatForwardBackward(Backend& backend,
 std::string FormatSmatBenchResult(const SmatBenchResult& r);
 
 // The linear-cost sweep: forward and forward+backward for every T in Ts and d
-// in ds, as a Markdown table (ns per token stays flat when the cost is linear).
+// in ds, as a Markdown table of median and minimum times (ns per token stays
+// flat when the cost is linear).
 absl::StatusOr<std::string> SmatBenchSweep(Backend& backend, const SmatBenchConfig& cfg,
                                            const std::vector<int64_t>& Ts,
                                            const std::vector<int>& ds);

@@ -1,8 +1,9 @@
 // Tests of the decoders and the stepped-window forward pass (kernels/decode.h):
 // the fixed-horizon decoder against a dense double reference of the SMat mask
-// (eq. 4, 6, 13) and the chunked SMat op (kernels/smat.h), and the stepped-window decoder against both the stepped-window
-// forward pass and the dense reference of Definition 1, at every position,
-// gated and not, d = 1..3, odd sizes, positional and content maps, and past T_max.
+// (eq. 4, 6, 13) and against the chunked SMat op (kernels/smat.h); the
+// stepped-window decoder against both the stepped-window forward pass and the
+// dense reference of Definition 1. At every position, gated and not, d = 1..3,
+// odd sizes, positional and content maps, and past T_max.
 #include "kernels/decode.h"
 
 #include <algorithm>
