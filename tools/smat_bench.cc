@@ -21,6 +21,7 @@
 #include "core/status.h"
 #include "core/tensor.h"
 #include "kernels/backend.h"
+#include "tools/smat_bench_cuda.h"
 #include "tools/smat_bench_smat.h"
 
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
@@ -72,6 +73,11 @@ absl::Status RunSmatBenchmarks(const SmatBenchConfig& cfg) {
   SMAT_ASSIGN_OR_RETURN(Device device, ParseDevice(absl::GetFlag(FLAGS_device)));
   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(device));
   std::printf("# smat_bench on %s\n", backend->name().c_str());
+  if (!device.is_cpu() && !absl::GetFlag(FLAGS_sweep)) {
+    // GPU: phases timed on preallocated buffers against measured ceilings.
+    return RunSmatBenchCuda(*backend, cfg, absl::GetFlag(FLAGS_T), absl::GetFlag(FLAGS_d),
+                            absl::GetFlag(FLAGS_backward));
+  }
   if (absl::GetFlag(FLAGS_sweep)) {
     SMAT_ASSIGN_OR_RETURN(std::string table,
                           SmatBenchSweep(*backend, cfg, {16384, 32768, 65536, 131072, 262144},

@@ -37,8 +37,8 @@ struct SmatCudaDims {
 // exp(x) with x a sum of gate terms that is <= 0 (Lemma 4):
 //   key side:   x = chunk_decay[k] - lam[i] + off[k] + extra[b, h]
 //   query side: x = lam[i] + off[k] + extra[b, h]
-// (k = chunk of local token i). lam == nullptr: ungated, every w = 1. off and
-// extra may be null (0).
+// (k = chunk of local token i). lam == nullptr: ungated, w = exp(extra) (1 when
+// extra is null too). off and extra may be null (0).
 struct SmatTokenWeights {
   const float* lam = nullptr;          // [batch, L, H]
   const float* chunk_decay = nullptr;  // [batch, Lc, H]

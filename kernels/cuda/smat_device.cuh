@@ -51,13 +51,13 @@ __device__ __forceinline__ int64_t ChunkRow(const SmatCudaDims& d, int b, int64_
 // Decay weight of local token i of (b, h); see SmatTokenWeights.
 __device__ __forceinline__ float TokenWeight(const SmatCudaDims& d, const SmatTokenWeights& w,
                                              int b, int h, int64_t i) {
-  if (w.lam == nullptr) return 1.f;
+  const float extra = w.extra != nullptr ? w.extra[static_cast<int64_t>(b) * d.H + h] : 0.f;
+  if (w.lam == nullptr) return w.extra != nullptr ? expf(extra) : 1.f;  // span offset only
   const int64_t k = i / d.chunk;
   float x = w.key_side ? w.chunk_decay[ChunkRow(d, b, k, h)] - w.lam[TokenRow(d, b, i, h)]
                        : w.lam[TokenRow(d, b, i, h)];
   if (w.off != nullptr) x += w.off[ChunkRow(d, b, k, h)];
-  if (w.extra != nullptr) x += w.extra[static_cast<int64_t>(b) * d.H + h];
-  return expf(x);
+  return expf(x + extra);
 }
 
 // Token list of group g for (b, h): Count() tokens, Token(j) the j-th local

@@ -1,0 +1,334 @@
+// The GPU path of smat_bench (smat_bench_cuda.h): every SMat phase of the
+// forward (and backward) pass, called through the backend's SmatKernels on
+// buffers allocated once, timed with device events between phases, against
+// the copy and GEMM ceilings measured in the same process (METHOD.md: measure
+// the two ceilings on the device, count bytes and FLOPs, report the gap).
+//
+// Counts per phase are the fewest bytes the phase must move (each input read
+// once, each output written once; fp32 states and tables, inputs in their
+// dtype) and the FLOPs of its products (2 per multiply-add; the causal chunk
+// tiles counted at half the square, as they must be computed). The roofline
+// time of a phase is max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate): the
+// tensor-core ceiling the targets are set against; the fp32 line uses the fp32
+// (CUDA-core) GEMM rate instead.
+#include "tools/smat_bench_cuda.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/convert.h"
+#include "core/rng.h"
+#include "core/status.h"
+#include "kernels/smat_kernels.h"
+
+namespace smat {
+namespace {
+
+constexpr int kMinReps = 20;
+constexpr int kMinWarmup = 2;
+
+struct Phase {
+  std::string name;
+  double bytes = 0;
+  double flops = 0;
+  std::function<absl::Status()> run;
+};
+
+struct Ceilings {
+  double copy_gbs = 0;        // device-to-device copy, bytes read + written
+  double bf16_tflops = 0;     // Backend::Gemm, bf16 inputs, fp32 accumulation
+  double fp32_tflops = 0;     // Backend::Gemm, fp32 (no TF32)
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Device buffers of the benchmark; `held` sums their bytes.
+class Buffers {
+ public:
+  explicit Buffers(Backend& gpu) : gpu_(gpu) {}
+  absl::StatusOr<Tensor> Zeros(Shape shape, DType dtype = DType::kF32) {
+    SMAT_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(std::move(shape), dtype, gpu_.allocator()));
+    SMAT_RETURN_IF_ERROR(gpu_.Fill(t, 0.0));
+    held_ += static_cast<double>(t.nbytes());
+    return t;
+  }
+  absl::StatusOr<Tensor> Random(Shape shape, DType dtype, uint64_t seed, float lo, float hi) {
+    SMAT_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(shape, DType::kF32));
+    SMAT_RETURN_IF_ERROR(FillUniform(host, seed, 0, lo, hi));
+    if (dtype != DType::kF32) {
+      SMAT_ASSIGN_OR_RETURN(host, ConvertDType(host, dtype));
+    }
+    SMAT_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(std::move(shape), dtype, gpu_.allocator()));
+    SMAT_RETURN_IF_ERROR(gpu_.Copy(host, t));
+    SMAT_RETURN_IF_ERROR(gpu_.Synchronize(nullptr));
+    held_ += static_cast<double>(t.nbytes());
+    return t;
+  }
+  double held() const { return held_; }
+
+ private:
+  Backend& gpu_;
+  double held_ = 0;
+};
+
+// Runs `phases` in order warmup + reps times with an event between phases;
+// per-phase and whole-chain medians in ms.
+absl::Status TimeChain(Backend& gpu, const std::vector<Phase>& phases, int warmup, int reps,
+                       std::vector<double>* phase_ms, double* total_ms) {
+  std::vector<std::unique_ptr<Event>> ev;
+  for (size_t i = 0; i <= phases.size(); ++i) {
+    SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> e, gpu.CreateEvent());
+    ev.push_back(std::move(e));
+  }
+  std::vector<std::vector<double>> per(phases.size());
+  std::vector<double> total;
+  for (int it = 0; it < warmup + reps; ++it) {
+    SMAT_RETURN_IF_ERROR(gpu.Synchronize(nullptr));
+    SMAT_RETURN_IF_ERROR(gpu.Record(*ev[0], nullptr));
+    for (size_t i = 0; i < phases.size(); ++i) {
+      SMAT_RETURN_IF_ERROR(Annotate(phases[i].run(), phases[i].name));
+      SMAT_RETURN_IF_ERROR(gpu.Record(*ev[i + 1], nullptr));
+    }
+    SMAT_RETURN_IF_ERROR(gpu.Synchronize(nullptr));
+    if (it < warmup) continue;
+    for (size_t i = 0; i < phases.size(); ++i) {
+      SMAT_ASSIGN_OR_RETURN(float ms, gpu.ElapsedMs(*ev[i], *ev[i + 1]));
+      per[i].push_back(ms);
+    }
+    SMAT_ASSIGN_OR_RETURN(float all, gpu.ElapsedMs(*ev[0], *ev[phases.size()]));
+    total.push_back(all);
+  }
+  phase_ms->clear();
+  for (auto& v : per) phase_ms->push_back(Median(v));
+  *total_ms = Median(total);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> TimeOne(Backend& gpu, const std::function<absl::Status()>& body, int reps) {
+  SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> a, gpu.CreateEvent());
+  SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> b, gpu.CreateEvent());
+  std::vector<double> ms;
+  for (int i = 0; i < reps + 2; ++i) {
+    SMAT_RETURN_IF_ERROR(gpu.Record(*a, nullptr));
+    SMAT_RETURN_IF_ERROR(body());
+    SMAT_RETURN_IF_ERROR(gpu.Record(*b, nullptr));
+    SMAT_RETURN_IF_ERROR(gpu.Synchronize(nullptr));
+    SMAT_ASSIGN_OR_RETURN(float t, gpu.ElapsedMs(*a, *b));
+    if (i >= 2) ms.push_back(t);
+  }
+  return Median(ms);
+}
+
+absl::StatusOr<Ceilings> MeasureCeilings(Backend& gpu) {
+  Ceilings c;
+  {
+    Buffers buf(gpu);
+    const int64_t n = int64_t{1} << 28;  // 1 GiB of fp32, far beyond the 60 MB L2
+    SMAT_ASSIGN_OR_RETURN(Tensor src, buf.Random({n}, DType::kF32, 7, -1.f, 1.f));
+    SMAT_ASSIGN_OR_RETURN(Tensor dst, buf.Zeros({n}));
+    SMAT_ASSIGN_OR_RETURN(double ms, TimeOne(gpu, [&] { return gpu.Copy(src, dst); }, 10));
+    c.copy_gbs = 2.0 * src.nbytes() / (ms * 1e-3) / 1e9;
+  }
+  for (DType dt : {DType::kBF16, DType::kF32}) {
+    Buffers buf(gpu);
+    const int64_t m = dt == DType::kBF16 ? 8192 : 4096;
+    SMAT_ASSIGN_OR_RETURN(Tensor a, buf.Random({m, m}, dt, 8, -1.f, 1.f));
+    SMAT_ASSIGN_OR_RETURN(Tensor b, buf.Random({m, m}, dt, 9, -1.f, 1.f));
+    SMAT_ASSIGN_OR_RETURN(Tensor out, buf.Zeros({m, m}));
+    SMAT_ASSIGN_OR_RETURN(double ms, TimeOne(gpu, [&] {
+      return gpu.Gemm(Transpose::kNo, Transpose::kNo, 1.f, a, b, 0.f, out);
+    }, 10));
+    const double tf = 2.0 * m * m * m / (ms * 1e-3) / 1e12;
+    (dt == DType::kBF16 ? c.bf16_tflops : c.fp32_tflops) = tf;
+  }
+  return c;
+}
+
+void PrintTable(const char* pass, const std::vector<Phase>& phases, const std::vector<double>& ms,
+                double total_ms, const Ceilings& c) {
+  std::printf("| %-24s | %9s | %9s | %8s | %8s | %9s | %9s |\n", pass, "ms", "MB", "GB/s",
+              "GFLOP", "TFLOP/s", "roofline");
+  std::printf("|%s|%s|%s|%s|%s|%s|%s|\n", std::string(26, '-').c_str(),
+              std::string(11, '-').c_str(), std::string(11, '-').c_str(),
+              std::string(10, '-').c_str(), std::string(10, '-').c_str(),
+              std::string(11, '-').c_str(), std::string(11, '-').c_str());
+  double bytes = 0, flops = 0;
+  for (size_t i = 0; i < phases.size(); ++i) {
+    const Phase& p = phases[i];
+    bytes += p.bytes;
+    flops += p.flops;
+    const double floor_s = std::max(p.bytes / (c.copy_gbs * 1e9), p.flops / (c.bf16_tflops * 1e12));
+    std::printf("| %-24s | %9.3f | %9.1f | %8.0f | %8.2f | %9.2f | %8.1f%% |\n", p.name.c_str(),
+                ms[i], p.bytes / 1e6, p.bytes / (ms[i] * 1e-3) / 1e9, p.flops / 1e9,
+                p.flops / (ms[i] * 1e-3) / 1e12, 100.0 * floor_s / (ms[i] * 1e-3));
+  }
+  const double floor_s = std::max(bytes / (c.copy_gbs * 1e9), flops / (c.bf16_tflops * 1e12));
+  const double floor32 = std::max(bytes / (c.copy_gbs * 1e9), flops / (c.fp32_tflops * 1e12));
+  std::printf("| %-24s | %9.3f | %9.1f | %8.0f | %8.2f | %9.2f | %8.1f%% |\n", "total (chain)",
+              total_ms, bytes / 1e6, bytes / (total_ms * 1e-3) / 1e9, flops / 1e9,
+              flops / (total_ms * 1e-3) / 1e12, 100.0 * floor_s / (total_ms * 1e-3));
+  std::printf("roofline %s: %.3f ms (bf16 tensor-core rate), %.3f ms (fp32 CUDA-core rate); "
+              "measured %.3f ms\n\n",
+              pass, floor_s * 1e3, floor32 * 1e3, total_ms);
+}
+
+}  // namespace
+
+absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t T, int d,
+                              bool backward) {
+  const int reps = std::max(cfg.reps, kMinReps), warmup = std::max(cfg.warmup, kMinWarmup);
+  SMAT_ASSIGN_OR_RETURN(Ceilings ceil, MeasureCeilings(gpu));
+  std::printf("ceilings on %s: copy %.0f GB/s (read + write), GEMM bf16 %.0f TFLOP/s, "
+              "GEMM fp32 %.1f TFLOP/s\n",
+              gpu.name().c_str(), ceil.copy_gbs, ceil.bf16_tflops, ceil.fp32_tflops);
+
+  SMAT_ASSIGN_OR_RETURN(SmatPlan plan, MakeSmatPlan(T, d, cfg.chunk, cfg.q));
+  SMAT_ASSIGN_OR_RETURN(SmatKernels * k, gpu.smat());
+  const SmatSpan span = SmatSpan::Whole(plan);
+  const int64_t B = cfg.batch, H = cfg.heads, r = cfg.r, dv = cfg.dv, p = dv + 1;
+  const int64_t Lc = span.num_chunks(plan), P = plan.geo.P, Bt = plan.geo.B, c = plan.chunk;
+  const double es = static_cast<double>(DTypeSize(cfg.dtype));
+  const double N = static_cast<double>(B * T * H), NC = static_cast<double>(B * Lc * H);
+  const double BH = static_cast<double>(B * H), W = static_cast<double>(r * p);
+  const double nd = static_cast<double>(B * plan.n * H), nr = static_cast<double>(B * plan.m * H);
+  const double nnz = static_cast<double>(plan.geo.nnz_C());
+  std::printf("smat %s T=%lld d=%d q=%lld P=%lld B=%lld n=%lld chunk=%lld batch=%lld heads=%lld "
+              "r=%lld dv=%lld %s, median of %d after %d warm-up\n",
+              backward ? "forward+backward" : "forward", static_cast<long long>(T), d,
+              static_cast<long long>(plan.geo.q), static_cast<long long>(P),
+              static_cast<long long>(Bt), static_cast<long long>(plan.n),
+              static_cast<long long>(c), static_cast<long long>(B), static_cast<long long>(H),
+              static_cast<long long>(r), static_cast<long long>(dv),
+              cfg.gated ? "gated" : "ungated", reps, warmup);
+
+  Buffers buf(gpu);
+  SMAT_ASSIGN_OR_RETURN(Tensor phi, buf.Random({B, T, H, r}, cfg.dtype, cfg.seed, 0.05f, 1.f));
+  SMAT_ASSIGN_OR_RETURN(Tensor psi, buf.Random({B, T, H, r}, cfg.dtype, cfg.seed + 1, 0.05f, 1.f));
+  SMAT_ASSIGN_OR_RETURN(Tensor v, buf.Random({B, T, H, dv}, cfg.dtype, cfg.seed + 2, -1.f, 1.f));
+  Tensor logg, lam, cd;
+  if (cfg.gated) {
+    SMAT_ASSIGN_OR_RETURN(logg, buf.Random({B, T, H}, DType::kF32, cfg.seed + 3, -0.05f, 0.f));
+    SMAT_ASSIGN_OR_RETURN(lam, buf.Zeros({B, T, H}));
+    SMAT_ASSIGN_OR_RETURN(cd, buf.Zeros({B, Lc, H}));
+  }
+  SMAT_ASSIGN_OR_RETURN(Tensor D, buf.Zeros({B, Lc, H, r, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor S_in, buf.Zeros({B, Lc, H, r, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor span_state, buf.Zeros({B, 2, H, r, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor span_decay, buf.Zeros({B, 2, H}));
+  SMAT_ASSIGN_OR_RETURN(Tensor F, buf.Zeros({B, H, P, r, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor U, buf.Zeros({B, H, Bt, r, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor ybar, buf.Zeros({B, T, H, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor o, buf.Zeros({B, T, H, dv}, cfg.dtype));
+  SMAT_ASSIGN_OR_RETURN(Tensor den, buf.Zeros({B, T, H}));
+  const float eps = 1e-6f;
+
+  std::vector<Phase> fwd;
+  if (cfg.gated) {
+    fwd.push_back({"ChunkLogDecay", N * 8 + NC * 4, 0,
+                   [&] { return k->ChunkLogDecay(plan, span, logg, &lam, &cd, nullptr); }});
+  }
+  const double gate_bytes = cfg.gated ? N * 4 + NC * 4 : 0;
+  fwd.push_back({"ChunkSummaries", N * (r + dv) * es + gate_bytes + NC * W * 4, 2 * N * W,
+                 [&] { return k->ChunkSummaries(plan, span, psi, v, lam, cd, &D, nullptr); }});
+  fwd.push_back({"ChunkScan", NC * W * 8, 2 * NC * W, [&] {
+                   return k->ChunkScan(plan, span, D, cd, Tensor(), &S_in, &span_state,
+                                       &span_decay, nullptr);
+                 }});
+  fwd.push_back({"ProfilePooling", nd * (r + dv) * es + BH * P * W * 4, 2 * nd * W, [&] {
+                   return k->ProfilePooling(plan, span, psi, v, lam, cd, Tensor(), &F, nullptr);
+                 }});
+  fwd.push_back({"Tabulate", BH * (P + Bt) * W * 4, BH * nnz * W,
+                 [&] { return k->Tabulate(plan, F, &U, nullptr); }});
+  fwd.push_back({"ChunkOutputs", N * (2 * r + dv) * es + gate_bytes + NC * W * 4 + N * p * 4,
+                 N * c * (r + p) + 2 * N * W, [&] {
+                   return k->ChunkOutputs(plan, span, phi, psi, v, lam, S_in, &ybar, nullptr);
+                 }});
+  fwd.push_back({"TypeReads", nr * (r * es + p * 8) + BH * Bt * W * 4, 2 * nr * W, [&] {
+                   return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &ybar,
+                                       nullptr);
+                 }});
+  fwd.push_back({"Normalize", N * (p * 4 + dv * es + 4), N * dv,
+                 [&] { return k->Normalize(ybar, eps, &o, &den, nullptr); }});
+  std::vector<double> fwd_ms;
+  double fwd_total = 0;
+  SMAT_RETURN_IF_ERROR(TimeChain(gpu, fwd, warmup, reps, &fwd_ms, &fwd_total));
+  PrintTable("forward", fwd, fwd_ms, fwd_total, ceil);
+
+  double bwd_total = 0;
+  if (backward) {
+    SMAT_ASSIGN_OR_RETURN(Tensor d_o, buf.Random({B, T, H, dv}, DType::kF32, cfg.seed + 4, -1.f, 1.f));
+    SMAT_ASSIGN_OR_RETURN(Tensor gbar, buf.Zeros({B, T, H, p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor dlam_row, buf.Zeros({B, T, H}));
+    SMAT_ASSIGN_OR_RETURN(Tensor phi_bar, buf.Zeros({B, T, H, r}));
+    SMAT_ASSIGN_OR_RETURN(Tensor psi_bar, buf.Zeros({B, T, H, r}));
+    SMAT_ASSIGN_OR_RETURN(Tensor v_bar, buf.Zeros({B, T, H, dv}));
+    SMAT_ASSIGN_OR_RETURN(Tensor U_bar, buf.Zeros({B, H, Bt, r, p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor F_bar, buf.Zeros({B, H, P, r, p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, buf.Zeros({B, Lc, H, r, p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor D_bar, buf.Zeros({B, Lc, H, r, p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor state_grad, buf.Zeros({B, 2, H, r, p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor logg_bar, buf.Zeros({B, T, H}));
+    SMAT_ASSIGN_OR_RETURN(Tensor span_sum, buf.Zeros({B, H}));
+    std::vector<Phase> bwd;
+    bwd.push_back({"NormalizeBackward", N * (dv * (4 + es) + 8 + p * 4 + 4), 4 * N * dv, [&] {
+                     return k->NormalizeBackward(d_o, o, den, eps, &gbar,
+                                                 cfg.gated ? &dlam_row : nullptr, nullptr);
+                   }});
+    bwd.push_back({"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8,
+                   4 * nr * W, [&] {
+                     return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(),
+                                                 Tensor(), &phi_bar, &U_bar, nullptr);
+                   }});
+    bwd.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
+                   [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});
+    bwd.push_back({"ProfilePoolingBackward", nd * ((r + dv) * es + (r + dv) * 8) + BH * P * W * 4,
+                   4 * nd * W, [&] {
+                     return k->ProfilePoolingBackward(plan, span, psi, v, lam, cd, Tensor(),
+                                                      Tensor(), F_bar, &psi_bar, &v_bar, nullptr);
+                   }});
+    bwd.push_back({"ChunkStateGradients", N * (r * es + p * 4) + gate_bytes + NC * W * 4,
+                   2 * N * W, [&] {
+                     return k->ChunkStateGradients(plan, span, phi, gbar, lam, &S_in_bar, nullptr);
+                   }});
+    bwd.push_back({"ChunkScanBackward", NC * W * 8, 2 * NC * W, [&] {
+                     return k->ChunkScanBackward(plan, span, S_in_bar, cd, Tensor(), &D_bar,
+                                                 &state_grad, nullptr);
+                   }});
+    bwd.push_back({"ChunkOutputsBackward",
+                   N * ((2 * r + dv) * es + p * 4 + (2 * r + dv) * 8) + gate_bytes + NC * W * 8,
+                   2 * N * c * (r + p) + 6 * N * W, [&] {
+                     return k->ChunkOutputsBackward(plan, span, phi, psi, v, lam, cd, S_in, gbar,
+                                                    D_bar, &phi_bar, &psi_bar, &v_bar, nullptr);
+                   }});
+    if (cfg.gated) {
+      bwd.push_back({"LogDecayBackward", N * (r * es + r * 4 + 12), 2 * N * r, [&] {
+                       return k->LogDecayBackward(plan, span, psi, psi_bar, dlam_row, Tensor(),
+                                                  &logg_bar, &span_sum, nullptr);
+                     }});
+    }
+    std::vector<double> bwd_ms;
+    SMAT_RETURN_IF_ERROR(TimeChain(gpu, bwd, warmup, reps, &bwd_ms, &bwd_total));
+    PrintTable("backward", bwd, bwd_ms, bwd_total, ceil);
+  }
+  std::printf("SUMMARY d=%d %s %s T=%lld: forward %.3f ms", d,
+              DTypeName(cfg.dtype), cfg.gated ? "gated" : "ungated", static_cast<long long>(T),
+              fwd_total);
+  if (backward) std::printf(", backward %.3f ms, forward+backward %.3f ms", bwd_total, fwd_total + bwd_total);
+  std::printf("; device memory held by the benchmark's tensors %.2f GiB (kernel scratch from the "
+              "stream-ordered pool not included)\n",
+              buf.held() / (1024.0 * 1024 * 1024));
+  return absl::OkStatus();
+}
+
+}  // namespace smat
