@@ -112,8 +112,8 @@ std::string FieldBefore(absl::string_view line, int column) {
 // The unknown name in protobuf's "has no field named \"x\"" and "Unknown
 // enumeration value of \"x\"" messages; empty for other messages.
 std::string NameInMessage(const std::string& message) {
-  for (const std::string& marker : {std::string("has no field named \""),
-                                    std::string("Unknown enumeration value of \"")}) {
+  for (const std::string& marker :
+       {std::string("has no field named \""), std::string("Unknown enumeration value of \"")}) {
     const size_t at = message.find(marker);
     if (at == std::string::npos) continue;
     const size_t start = at + marker.size();
@@ -216,8 +216,7 @@ void ValidateModel(const ModelConfig& m, Checker& c) {
   c.Require(m.layers() >= 1, "model.layers", m.layers(), "must be at least 1");
   c.Require(m.heads() >= 1, "model.heads", m.heads(), "must be at least 1");
   if (m.heads() >= 1 && m.width() >= 1 && m.width() % m.heads() != 0) {
-    c.Add(absl::StrCat("model.heads = ", m.heads(), " does not divide model.width = ",
-                       m.width()));
+    c.Add(absl::StrCat("model.heads = ", m.heads(), " does not divide model.width = ", m.width()));
   }
   c.Require(m.head_dim_qk() >= 1, "model.head_dim_qk", m.head_dim_qk(), "must be at least 1");
   c.Require(m.head_dim_v() >= 1, "model.head_dim_v", m.head_dim_v(), "must be at least 1");
@@ -237,8 +236,9 @@ void ValidateParallel(const ParallelConfig& p, const MetricsConfig& metrics, Che
             "is out of range; expected 1..65535");
   if (metrics.port() >= 1 && metrics.port() <= 65535 && p.dp() >= 1 && p.sp() >= 1 &&
       int64_t{metrics.port()} + int64_t{p.dp()} * p.sp() - 1 > 65535) {
-    c.Add(absl::StrCat("metrics.port = ", metrics.port(), " leaves no room for port + local_rank with ",
-                       int64_t{p.dp()} * p.sp(), " ranks (the last port must be <= 65535)"));
+    c.Add(absl::StrCat("metrics.port = ", metrics.port(),
+                       " leaves no room for port + local_rank with ", int64_t{p.dp()} * p.sp(),
+                       " ranks (the last port must be <= 65535)"));
   }
   c.Require(!metrics.host().empty(), "metrics.host", Quoted(metrics.host()), "must not be empty");
 }
@@ -264,9 +264,9 @@ void ValidateSmatAndData(const TrainConfig& cfg, Checker& c) {
   // least one whole chunk (ARCHITECTURE.md section 4).
   if (d.seq_len() >= 1 && s.chunk() >= 1 && p.sp() >= 1) {
     if (p.sp() > 1 && d.seq_len() % s.chunk() != 0) {
-      c.Add(absl::StrCat("data.seq_len = ", d.seq_len(), " is not a multiple of smat.chunk = ",
-                         s.chunk(), "; with parallel.sp = ", p.sp(),
-                         " the sequence is split into chunk-aligned spans"));
+      c.Add(absl::StrCat(
+          "data.seq_len = ", d.seq_len(), " is not a multiple of smat.chunk = ", s.chunk(),
+          "; with parallel.sp = ", p.sp(), " the sequence is split into chunk-aligned spans"));
     }
     if (d.seq_len() / s.chunk() < p.sp()) {
       c.Add(absl::StrCat("data.seq_len = ", d.seq_len(), " has ", d.seq_len() / s.chunk(),
@@ -287,8 +287,9 @@ void ValidateSmatAndData(const TrainConfig& cfg, Checker& c) {
   switch (d.kind()) {
     case DataConfig::TEXT:
       if (d.path().empty()) {
-        c.Add("data.path is empty; data.kind = TEXT needs a token file (make one with "
-              "smat_data bytes --input ... --output ...)");
+        c.Add(
+            "data.path is empty; data.kind = TEXT needs a token file (make one with "
+            "smat_data bytes --input ... --output ...)");
       }
       if (cfg.run().eval_every() > 0 && d.heldout_path().empty()) {
         c.Add(absl::StrCat("run.eval_every = ", cfg.run().eval_every(),
@@ -309,9 +310,9 @@ void ValidateSmatAndData(const TrainConfig& cfg, Checker& c) {
                                " distinct keys; need at least ", 2 * int64_t{d.num_pairs()} + 2));
         // Pairs take 2 tokens each and leave at least as much room for queries.
         if (d.seq_len() >= 1 && 4 * int64_t{d.num_pairs()} > d.seq_len()) {
-          c.Add(absl::StrCat("data.num_pairs = ", d.num_pairs(), " does not fit data.seq_len = ",
-                             d.seq_len(), " for data.kind = ", kind,
-                             "; need seq_len >= 4 * num_pairs"));
+          c.Add(absl::StrCat("data.num_pairs = ", d.num_pairs(),
+                             " does not fit data.seq_len = ", d.seq_len(),
+                             " for data.kind = ", kind, "; need seq_len >= 4 * num_pairs"));
         }
       }
       if (d.vocab() > cfg.model().vocab_size()) {
@@ -320,20 +321,18 @@ void ValidateSmatAndData(const TrainConfig& cfg, Checker& c) {
       }
       break;
     }
-    default:
-      c.Add(absl::StrCat("data.kind = ", d.kind(), " is not a known kind"));
+    default: c.Add(absl::StrCat("data.kind = ", d.kind(), " is not a known kind"));
   }
 }
 
 void ValidateOptimizer(const OptimizerConfig& o, Checker& c) {
   c.Require(o.lr() > 0 && std::isfinite(o.lr()), "optimizer.lr", o.lr(), "must be > 0");
   c.Require(!(o.lr() > 0) || (o.min_lr() >= 0 && o.min_lr() <= o.lr()), "optimizer.min_lr",
-            o.min_lr(),
-            absl::StrCat("must be in [0, optimizer.lr = ", o.lr(), "]"));
+            o.min_lr(), absl::StrCat("must be in [0, optimizer.lr = ", o.lr(), "]"));
   c.Require(o.total_steps() >= 1, "optimizer.total_steps", o.total_steps(), "must be at least 1");
   c.Require(o.warmup_steps() >= 0 && o.warmup_steps() <= o.total_steps(), "optimizer.warmup_steps",
-            o.warmup_steps(), absl::StrCat("must be in [0, optimizer.total_steps = ",
-                                           o.total_steps(), "]"));
+            o.warmup_steps(),
+            absl::StrCat("must be in [0, optimizer.total_steps = ", o.total_steps(), "]"));
   c.Require(o.weight_decay() >= 0, "optimizer.weight_decay", o.weight_decay(), "must be >= 0");
   c.Require(o.beta1() >= 0 && o.beta1() < 1, "optimizer.beta1", o.beta1(),
             "is out of range; expected [0, 1)");
@@ -346,11 +345,11 @@ void ValidateOptimizer(const OptimizerConfig& o, Checker& c) {
 
 void ValidateRun(const TrainConfig& cfg, Checker& c) {
   const RunConfig& r = cfg.run();
-  const bool name_ok = !r.name().empty() &&
-                       std::all_of(r.name().begin(), r.name().end(), [](char ch) {
-                         return absl::ascii_isalnum(static_cast<unsigned char>(ch)) ||
-                                ch == '_' || ch == '-' || ch == '.';
-                       });
+  const bool name_ok =
+      !r.name().empty() && std::all_of(r.name().begin(), r.name().end(), [](char ch) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(ch)) || ch == '_' || ch == '-' ||
+               ch == '.';
+      });
   c.Require(name_ok, "run.name", Quoted(r.name()),
             "must be non-empty letters, digits, '_', '-' or '.' (it names files and labels)");
   c.Require(r.steps() >= 1, "run.steps", r.steps(), "must be at least 1");
@@ -403,10 +402,9 @@ absl::Status ApplyOverride(TrainConfig& config, const std::string& override_text
     const bool last = i + 1 == parts.size();
     const bool is_message = field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE;
     if (!last && !is_message) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": '", parts[i], "' in ",
-                                                     d->full_name(),
-                                                     " is a value, not a message; it has no field '",
-                                                     parts[i + 1], "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": '", parts[i], "' in ", d->full_name(),
+                       " is a value, not a message; it has no field '", parts[i + 1], "'"));
     }
     if (last && is_message) {
       return absl::InvalidArgumentError(
@@ -424,14 +422,15 @@ absl::Status ApplyOverride(TrainConfig& config, const std::string& override_text
     literal = quoted ? Quoted(value.substr(1, value.size() - 2)) : Quoted(value);
   } else {
     if (!IsBareToken(value)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": value '", value, "' for ", path,
-          " is not a single number, enum name or true/false"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": value '", value, "' for ", path,
+                       " is not a single number, enum name or true/false"));
     }
     literal = value;
   }
   std::string snippet = absl::StrCat(parts.back(), ": ", literal);
-  for (size_t i = parts.size() - 1; i-- > 0;) snippet = absl::StrCat(parts[i], " { ", snippet, " }");
+  for (size_t i = parts.size() - 1; i-- > 0;)
+    snippet = absl::StrCat(parts[i], " { ", snippet, " }");
 
   // Parse into a copy so a bad value leaves `config` untouched. The parser sets
   // the field through reflection, so an explicit 0 or false does override.

@@ -47,8 +47,8 @@ void StoreFloating(Tensor& t, int64_t i, double v) {
 
 absl::StatusOr<Tensor> ConvertDType(const Tensor& t, DType to) {
   if (!t.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat("ConvertDType: ", t.DebugString(),
-                                                   " is not in host memory; copy it to the host first"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ConvertDType: ", t.DebugString(), " is not in host memory; copy it to the host first"));
   }
   const DType from = t.dtype();
   if (IsFloating(from) && !IsFloating(to)) {
@@ -78,8 +78,8 @@ absl::StatusOr<Tensor> ConvertDType(const Tensor& t, DType to) {
         const int64_t lo = to == DType::kI32 ? INT32_MIN : 0;
         const int64_t hi = to == DType::kI32 ? INT32_MAX : UINT16_MAX;
         if (v < lo || v > hi) {
-          return absl::InvalidArgumentError(absl::StrCat("ConvertDType: element ", i, " = ", v,
-                                                         " does not fit ", DTypeName(to)));
+          return absl::InvalidArgumentError(
+              absl::StrCat("ConvertDType: element ", i, " = ", v, " does not fit ", DTypeName(to)));
         }
         if (to == DType::kI32) {
           out.data<int32_t>()[i] = static_cast<int32_t>(v);

@@ -31,7 +31,7 @@ static_assert(std::endian::native == std::endian::little,
 
 constexpr char kMagic[] = "\x93NUMPY";
 constexpr size_t kMagicLen = 6;
-constexpr size_t kAlign = 64;              // numpy's ARRAY_ALIGN
+constexpr size_t kAlign = 64;                // numpy's ARRAY_ALIGN
 constexpr size_t kGrowthAxisMaxDigits = 21;  // numpy pads the header for in-place growth
 
 struct DTypeCode {
@@ -103,10 +103,9 @@ class HeaderParser {
     }
   }
   absl::Status Error(const std::string& what) const {
-    return absl::DataLossError(absl::StrCat("malformed header dict at character ", pos_, ": ",
-                                            what, " in \"",
-                                            Quote(absl::StripTrailingAsciiWhitespace(text_)),
-                                            "\""));
+    return absl::DataLossError(
+        absl::StrCat("malformed header dict at character ", pos_, ": ", what, " in \"",
+                     Quote(absl::StripTrailingAsciiWhitespace(text_)), "\""));
   }
 
   absl::StatusOr<std::string> ParseString() {
@@ -191,9 +190,9 @@ absl::StatusOr<ParsedHeader> InterpretHeader(absl::string_view text) {
   SMAT_ASSIGN_OR_RETURN(auto dict, HeaderParser(text).ParseDict());
   for (const char* key : {"descr", "fortran_order", "shape"}) {
     if (!dict.count(key)) {
-      return absl::DataLossError(
-          absl::StrCat("malformed header dict: no '", key, "' key in \"",
-                       Quote(absl::StripTrailingAsciiWhitespace(text)), "\""));
+      return absl::DataLossError(absl::StrCat("malformed header dict: no '", key, "' key in \"",
+                                              Quote(absl::StripTrailingAsciiWhitespace(text)),
+                                              "\""));
     }
   }
   if (dict.size() != 3) {
@@ -206,7 +205,8 @@ absl::StatusOr<ParsedHeader> InterpretHeader(absl::string_view text) {
   const auto* descr = std::get_if<std::string>(&dict["descr"]);
   const auto* fortran = std::get_if<bool>(&dict["fortran_order"]);
   const auto* shape = std::get_if<std::vector<int64_t>>(&dict["shape"]);
-  if (descr == nullptr) return absl::DataLossError("malformed header dict: 'descr' is not a string");
+  if (descr == nullptr)
+    return absl::DataLossError("malformed header dict: 'descr' is not a string");
   if (fortran == nullptr) {
     return absl::DataLossError("malformed header dict: 'fortran_order' is not True or False");
   }
@@ -222,9 +222,9 @@ absl::StatusOr<ParsedHeader> InterpretHeader(absl::string_view text) {
   }
   if (!known) {
     if (!descr->empty() && (*descr)[0] == '>') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "big-endian dtype '", *descr, "' is not supported; save with arr.astype('<",
-          descr->substr(1), "')"));
+      return absl::InvalidArgumentError(absl::StrCat("big-endian dtype '", *descr,
+                                                     "' is not supported; save with arr.astype('<",
+                                                     descr->substr(1), "')"));
     }
     return absl::InvalidArgumentError(absl::StrCat(
         "unsupported dtype '", *descr,
@@ -237,8 +237,8 @@ absl::StatusOr<ParsedHeader> InterpretHeader(absl::string_view text) {
   }
   for (int64_t d : *shape) {
     if (d < 0) {
-      return absl::DataLossError(absl::StrCat("shape ", ShapeToString(*shape),
-                                              " has a negative entry"));
+      return absl::DataLossError(
+          absl::StrCat("shape ", ShapeToString(*shape), " has a negative entry"));
     }
   }
   h.shape = *shape;
@@ -318,9 +318,9 @@ absl::StatusOr<Tensor> ReadNpyImpl(const std::string& path) {
   const size_t magic_got = std::min<uint64_t>(file_size, kMagicLen);
   if (!ReadFully(fd, magic, magic_got)) return absl::DataLossError("read error in the magic bytes");
   if (magic_got < kMagicLen || std::memcmp(magic, kMagic, kMagicLen) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("not a .npy file: starts with \"", Quote(absl::string_view(magic, magic_got)),
-                     "\", expected \"\\x93NUMPY\""));
+    return absl::InvalidArgumentError(absl::StrCat("not a .npy file: starts with \"",
+                                                   Quote(absl::string_view(magic, magic_got)),
+                                                   "\", expected \"\\x93NUMPY\""));
   }
   unsigned char version[2];
   if (!ReadFully(fd, version, 2)) {
@@ -332,8 +332,8 @@ absl::StatusOr<Tensor> ReadNpyImpl(const std::string& path) {
   } else if (version[0] == 2 || version[0] == 3) {
     len_bytes = 4;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("unsupported .npy format version ",
-                                                   version[0], ".", version[1],
+    return absl::InvalidArgumentError(absl::StrCat("unsupported .npy format version ", version[0],
+                                                   ".", version[1],
                                                    "; smat reads 1.0, 2.0 and 3.0"));
   }
   unsigned char len_le[4] = {0};
@@ -345,8 +345,7 @@ absl::StatusOr<Tensor> ReadNpyImpl(const std::string& path) {
   const uint64_t preamble = kMagicLen + 2 + len_bytes;
   if (preamble + header_len > file_size) {
     return absl::DataLossError(absl::StrCat("truncated header: expected ", header_len,
-                                            " bytes of header, file has ",
-                                            file_size - preamble));
+                                            " bytes of header, file has ", file_size - preamble));
   }
   std::string header(header_len, '\0');
   if (!ReadFully(fd, header.data(), header_len)) {
@@ -371,10 +370,9 @@ absl::StatusOr<Tensor> ReadNpyImpl(const std::string& path) {
                                             ShapeToString(h.shape), ", file has ", available));
   }
   if (available > expected) {
-    return absl::DataLossError(absl::StrCat("expected ", expected, " bytes of data for ",
-                                            DTypeName(h.dtype), ShapeToString(h.shape),
-                                            ", file has ", available,
-                                            " (trailing bytes after the array)"));
+    return absl::DataLossError(absl::StrCat(
+        "expected ", expected, " bytes of data for ", DTypeName(h.dtype), ShapeToString(h.shape),
+        ", file has ", available, " (trailing bytes after the array)"));
   }
   SMAT_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(h.shape, h.dtype));
   if (expected > 0 && !ReadFully(fd, t.raw(), expected)) {
@@ -399,8 +397,8 @@ absl::StatusOr<std::string> NpyHeader(DType dtype, const Shape& shape) {
   }
   // numpy's _write_array_header: keys sorted, repr of each value, then spare
   // spaces so the first axis can grow in place, then padding to kAlign.
-  std::string dict = absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': ",
-                                  ShapeRepr(shape), ", }");
+  std::string dict = absl::StrCat("{'descr': '", descr,
+                                  "', 'fortran_order': False, 'shape': ", ShapeRepr(shape), ", }");
   if (!shape.empty()) {
     const size_t digits = absl::StrCat(shape[0]).size();
     if (digits < kGrowthAxisMaxDigits) dict.append(kGrowthAxisMaxDigits - digits, ' ');
@@ -418,7 +416,8 @@ absl::StatusOr<std::string> NpyHeader(DType dtype, const Shape& shape) {
   std::string out(kMagic, kMagicLen);
   out.push_back(static_cast<char>(major));
   out.push_back('\0');
-  for (size_t b = 0; b < len_bytes; ++b) out.push_back(static_cast<char>((total >> (8 * b)) & 0xff));
+  for (size_t b = 0; b < len_bytes; ++b)
+    out.push_back(static_cast<char>((total >> (8 * b)) & 0xff));
   out += dict;
   out.append(padlen, ' ');
   out.push_back('\n');
@@ -439,8 +438,7 @@ absl::Status WriteNpy(const std::string& path, const Tensor& t) {
   auto header = NpyHeader(t.dtype(), t.shape());
   if (!header.ok()) return Annotate(header.status(), "npy: ", path);
 
-  const std::string tmp =
-      absl::StrCat(path, ".tmp.", ::getpid(), ".", temp_counter.fetch_add(1));
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", temp_counter.fetch_add(1));
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Annotate(OpenError("cannot create", tmp, errno), "npy");
   FdCloser closer(fd);
@@ -450,8 +448,8 @@ absl::Status WriteNpy(const std::string& path, const Tensor& t) {
   const int close_result = ::close(closer.release());
   if (!ok || close_result != 0) {
     ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("npy: writing '", tmp, "' failed: ",
-                                            ErrnoMessage(ok ? errno : write_errno),
+    return absl::InternalError(absl::StrCat("npy: writing '", tmp,
+                                            "' failed: ", ErrnoMessage(ok ? errno : write_errno),
                                             " (disk full or not writable?)"));
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {

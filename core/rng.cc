@@ -73,13 +73,12 @@ absl::Status FillNormal(Tensor& t, uint64_t seed, uint64_t offset, float mean, f
     return absl::InvalidArgumentError(absl::StrCat("FillNormal: stddev = ", stddev, " < 0"));
   }
   // Same element -> words mapping as PhiloxNormal (lanes 0,1 share words 0,1).
-  ForEachBlockWord(seed, stream, offset, t.numel(),
-                   [&](int64_t i, int lane, const PhiloxCounter& out) {
-                     const int pair = lane >> 1;
-                     const float z = NormalFromWords(out.w[2 * pair], out.w[2 * pair + 1],
-                                                     (lane & 1) != 0);
-                     StoreFloat(t, i, mean + stddev * z);
-                   });
+  ForEachBlockWord(
+      seed, stream, offset, t.numel(), [&](int64_t i, int lane, const PhiloxCounter& out) {
+        const int pair = lane >> 1;
+        const float z = NormalFromWords(out.w[2 * pair], out.w[2 * pair + 1], (lane & 1) != 0);
+        StoreFloat(t, i, mean + stddev * z);
+      });
   return absl::OkStatus();
 }
 
@@ -87,8 +86,8 @@ absl::Status FillUniformInt(Tensor& t, uint64_t seed, uint64_t offset, int64_t l
                             uint64_t stream) {
   SMAT_RETURN_IF_ERROR(CheckHost(t, "FillUniformInt"));
   if (t.dtype() != DType::kI32 && t.dtype() != DType::kI64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "FillUniformInt: dtype ", DTypeName(t.dtype()), " is not supported; use int32 or int64"));
+    return absl::InvalidArgumentError(absl::StrCat("FillUniformInt: dtype ", DTypeName(t.dtype()),
+                                                   " is not supported; use int32 or int64"));
   }
   if (!(lo < hi) || static_cast<uint64_t>(hi - lo) > (uint64_t{1} << 32)) {
     return absl::InvalidArgumentError(absl::StrCat("FillUniformInt: range [", lo, ", ", hi,

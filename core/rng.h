@@ -138,8 +138,8 @@ SMAT_HD inline float PhiloxUniform(uint64_t seed, uint64_t stream, uint64_t inde
 // separates independent uses of one seed (e.g. one stream per parameter).
 
 // Uniform in [lo, hi). fp32, fp64 or bf16 (rounded to nearest even).
-absl::Status FillUniform(Tensor& t, uint64_t seed, uint64_t offset, float lo = 0.f,
-                         float hi = 1.f, uint64_t stream = 0);
+absl::Status FillUniform(Tensor& t, uint64_t seed, uint64_t offset, float lo = 0.f, float hi = 1.f,
+                         uint64_t stream = 0);
 // Normal(mean, stddev). fp32, fp64 or bf16.
 absl::Status FillNormal(Tensor& t, uint64_t seed, uint64_t offset, float mean = 0.f,
                         float stddev = 1.f, uint64_t stream = 0);

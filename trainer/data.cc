@@ -77,8 +77,8 @@ absl::StatusOr<std::string> DecodeBytes(absl::Span<const int32_t> tokens) {
   std::string out(tokens.size(), '\0');
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= kByteVocab) {
-      return absl::InvalidArgumentError(absl::StrCat("DecodeBytes: token ", i, " = ", tokens[i],
-                                                     " is not a byte (0..255)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("DecodeBytes: token ", i, " = ", tokens[i], " is not a byte (0..255)"));
     }
     out[i] = static_cast<char>(tokens[i]);
   }
@@ -160,8 +160,8 @@ absl::Status TokenFileWriter::Append(absl::Span<const int32_t> tokens) {
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || static_cast<uint64_t>(tokens[i]) >= vocab_size_) {
       return absl::InvalidArgumentError(absl::StrCat("token file '", path_, "': token ", tokens[i],
-                                                     " is outside the vocabulary [0, ",
-                                                     vocab_size_, ")"));
+                                                     " is outside the vocabulary [0, ", vocab_size_,
+                                                     ")"));
     }
     PutLe(buf.data() + i * width_, static_cast<uint64_t>(tokens[i]), width_);
   }
@@ -252,8 +252,8 @@ absl::StatusOr<TokenFile> TokenFile::Open(const std::string& path, uint64_t max_
         where, ": not a smat token file (no \"SMATTOK1\" magic); make one with smat_data"));
   }
   if (size < static_cast<uint64_t>(kTokenFileHeaderBytes)) {
-    return absl::DataLossError(absl::StrCat(where, ": truncated header: ", size, " bytes, need ",
-                                            kTokenFileHeaderBytes));
+    return absl::DataLossError(
+        absl::StrCat(where, ": truncated header: ", size, " bytes, need ", kTokenFileHeaderBytes));
   }
   const uint64_t version = GetLe(p + 8, 4);
   if (version != kTokenFileVersion) {
@@ -280,9 +280,9 @@ absl::StatusOr<TokenFile> TokenFile::Open(const std::string& path, uint64_t max_
         " bytes of tokens (", have < f.count_ * width ? "truncated" : "trailing bytes", ")"));
   }
   if (max_vocab > 0 && f.vocab_size_ > max_vocab) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": vocabulary size ", f.vocab_size_, " exceeds model.vocab_size = ",
-                     max_vocab, "; raise model.vocab_size or retokenize"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": vocabulary size ", f.vocab_size_,
+                                                   " exceeds model.vocab_size = ", max_vocab,
+                                                   "; raise model.vocab_size or retokenize"));
   }
   f.tokens_ = p + kTokenFileHeaderBytes;
   return f;
@@ -322,9 +322,9 @@ absl::Status TokenFile::Read(int64_t start, int64_t n, int32_t* out) const {
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t v = GetLe(p + i * width_, width_);
     if (v >= vocab_size_) {
-      return absl::DataLossError(absl::StrCat("token file '", path_, "': token ", start + i,
-                                              " = ", v, " is outside the vocabulary [0, ",
-                                              vocab_size_, "); the file is damaged"));
+      return absl::DataLossError(absl::StrCat("token file '", path_, "': token ", start + i, " = ",
+                                              v, " is outside the vocabulary [0, ", vocab_size_,
+                                              "); the file is damaged"));
     }
     out[i] = static_cast<int32_t>(v);
   }
@@ -348,8 +348,8 @@ absl::StatusOr<ByteCorpusStats> WriteByteCorpus(const std::vector<std::string>& 
                                                 double heldout_fraction) {
   namespace fs = std::filesystem;
   if (!(heldout_fraction >= 0.0 && heldout_fraction < 1.0)) {
-    return absl::InvalidArgumentError(absl::StrCat("heldout_fraction = ", heldout_fraction,
-                                                   " is out of range; expected [0, 1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("heldout_fraction = ", heldout_fraction, " is out of range; expected [0, 1)"));
   }
   if (heldout_fraction > 0 && heldout_path.empty()) {
     return absl::InvalidArgumentError("heldout_fraction > 0 needs a held-out output path");
@@ -371,7 +371,8 @@ absl::StatusOr<ByteCorpusStats> WriteByteCorpus(const std::vector<std::string>& 
     } else if (fs::is_regular_file(st)) {
       files.push_back(in);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("input '", in, "' is not a file or directory"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("input '", in, "' is not a file or directory"));
     }
   }
   // Sorted and deduplicated by canonical path; previous outputs are not inputs.
@@ -388,7 +389,8 @@ absl::StatusOr<ByteCorpusStats> WriteByteCorpus(const std::vector<std::string>& 
   const std::string train_canon = fs::weakly_canonical(train_path, ec).string();
   const std::string heldout_canon =
       heldout_path.empty() ? "" : fs::weakly_canonical(heldout_path, ec).string();
-  std::erase_if(keyed, [&](const auto& k) { return k.first == train_canon || k.first == heldout_canon; });
+  std::erase_if(keyed,
+                [&](const auto& k) { return k.first == train_canon || k.first == heldout_canon; });
   if (keyed.empty()) return absl::InvalidArgumentError("no input files found");
 
   SMAT_ASSIGN_OR_RETURN(TokenFileWriter train, TokenFileWriter::Create(train_path, kByteVocab));
@@ -417,8 +419,8 @@ absl::StatusOr<ByteCorpusStats> WriteByteCorpus(const std::vector<std::string>& 
       const ssize_t got = ::read(fd, buf.data(), std::min<uint64_t>(buf.size(), size - done));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) {
-        status = got == 0 ? absl::DataLossError(absl::StrCat("input '", file.string(),
-                                                              "' shrank while being read"))
+        status = got == 0 ? absl::DataLossError(
+                                absl::StrCat("input '", file.string(), "' shrank while being read"))
                           : FileError("reading input", file.string(), errno);
         break;
       }
@@ -427,7 +429,8 @@ absl::StatusOr<ByteCorpusStats> WriteByteCorpus(const std::vector<std::string>& 
       const uint64_t n = static_cast<uint64_t>(got);
       const uint64_t train_n = done >= boundary ? 0 : std::min(n, boundary - done);
       if (train_n > 0) status = train.AppendBytes(buf.data(), train_n);
-      if (status.ok() && n > train_n) status = heldout->AppendBytes(buf.data() + train_n, n - train_n);
+      if (status.ok() && n > train_n)
+        status = heldout->AppendBytes(buf.data() + train_n, n - train_n);
       done += n;
     }
     ::close(fd);
@@ -450,13 +453,13 @@ absl::Status CheckMqarSpec(const MqarSpec& s) {
     return absl::InvalidArgumentError(absl::StrCat("MQAR: num_pairs = ", s.num_pairs, " < 1"));
   }
   if (s.seq_len < 4 * s.num_pairs) {
-    return absl::InvalidArgumentError(absl::StrCat("MQAR: seq_len = ", s.seq_len,
-                                                   " is below 4 * num_pairs = ", 4 * s.num_pairs));
+    return absl::InvalidArgumentError(
+        absl::StrCat("MQAR: seq_len = ", s.seq_len, " is below 4 * num_pairs = ", 4 * s.num_pairs));
   }
   if (s.vocab < 2 * s.num_pairs + 2 || s.vocab > (int64_t{1} << 31)) {
     return absl::InvalidArgumentError(absl::StrCat("MQAR: vocab = ", s.vocab, " must be in [",
-                                                   2 * s.num_pairs + 2, ", 2^31] for ",
-                                                   s.num_pairs, " pairs"));
+                                                   2 * s.num_pairs + 2, ", 2^31] for ", s.num_pairs,
+                                                   " pairs"));
   }
   return absl::OkStatus();
 }
@@ -527,9 +530,9 @@ void MakeMqarExample(const MqarSpec& s, uint64_t seed, uint64_t index, int32_t* 
 absl::StatusOr<std::unique_ptr<BatchSampler>> BatchSampler::Create(const DataConfig& data,
                                                                    int64_t model_vocab, int dp) {
   if (dp < 1 || data.seq_len() < 1 || data.batch_size() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("data: dp = ", dp, ", seq_len = ",
-                                                   data.seq_len(), ", batch_size = ",
-                                                   data.batch_size(), " must all be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("data: dp = ", dp, ", seq_len = ", data.seq_len(),
+                     ", batch_size = ", data.batch_size(), " must all be >= 1"));
   }
   std::unique_ptr<BatchSampler> s(new BatchSampler());
   s->data_ = data;
@@ -540,18 +543,19 @@ absl::StatusOr<std::unique_ptr<BatchSampler>> BatchSampler::Create(const DataCon
       SMAT_ASSIGN_OR_RETURN(TokenFile train,
                             TokenFile::Open(data.path(), static_cast<uint64_t>(model_vocab)));
       if (train.size() < need) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "data.path '", data.path(), "' has ", train.size(),
-            " tokens, fewer than data.seq_len + 1 = ", need));
+        return absl::InvalidArgumentError(
+            absl::StrCat("data.path '", data.path(), "' has ", train.size(),
+                         " tokens, fewer than data.seq_len + 1 = ", need));
       }
       s->train_ = std::make_unique<TokenFile>(std::move(train));
       if (!data.heldout_path().empty()) {
-        SMAT_ASSIGN_OR_RETURN(TokenFile heldout, TokenFile::Open(data.heldout_path(),
-                                                                 static_cast<uint64_t>(model_vocab)));
+        SMAT_ASSIGN_OR_RETURN(
+            TokenFile heldout,
+            TokenFile::Open(data.heldout_path(), static_cast<uint64_t>(model_vocab)));
         if (heldout.size() < need) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "data.heldout_path '", data.heldout_path(), "' has ", heldout.size(),
-              " tokens, fewer than data.seq_len + 1 = ", need));
+          return absl::InvalidArgumentError(
+              absl::StrCat("data.heldout_path '", data.heldout_path(), "' has ", heldout.size(),
+                           " tokens, fewer than data.seq_len + 1 = ", need));
         }
         s->heldout_ = std::make_unique<TokenFile>(std::move(heldout));
       }
@@ -561,16 +565,16 @@ absl::StatusOr<std::unique_ptr<BatchSampler>> BatchSampler::Create(const DataCon
       const MqarSpec spec{data.seq_len(), data.num_pairs(), data.vocab(), data.layout()};
       SMAT_RETURN_IF_ERROR(CheckMqarSpec(spec));
       if (data.vocab() > model_vocab) {
-        return absl::InvalidArgumentError(absl::StrCat("data.vocab = ", data.vocab(),
-                                                       " exceeds model.vocab_size = ", model_vocab));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "data.vocab = ", data.vocab(), " exceeds model.vocab_size = ", model_vocab));
       }
       return s;
     }
     default:
-      return absl::UnimplementedError(absl::StrCat(
-          "data.kind = ", DataConfig::Kind_Name(data.kind()),
-          " has no token-level batch generator (its targets are not next tokens); "
-          "use TEXT or MQAR"));
+      return absl::UnimplementedError(
+          absl::StrCat("data.kind = ", DataConfig::Kind_Name(data.kind()),
+                       " has no token-level batch generator (its targets are not next tokens); "
+                       "use TEXT or MQAR"));
   }
 }
 
@@ -594,8 +598,9 @@ absl::StatusOr<Batch> BatchSampler::TextBatch(const TokenFile& file, int64_t fir
   for (int64_t b = 0; b < B; ++b) {
     const uint64_t g = static_cast<uint64_t>(first_sequence + b);
     const int64_t start =
-        random ? static_cast<int64_t>(Draws(data_.seed(), g).Next64() % static_cast<uint64_t>(starts))
-               : static_cast<int64_t>(g % static_cast<uint64_t>(windows)) * (T + 1);
+        random
+            ? static_cast<int64_t>(Draws(data_.seed(), g).Next64() % static_cast<uint64_t>(starts))
+            : static_cast<int64_t>(g % static_cast<uint64_t>(windows)) * (T + 1);
     SMAT_RETURN_IF_ERROR(file.Read(start, T + 1, window.data()));
     std::copy(window.begin(), window.end() - 1, batch.inputs.data<int32_t>() + b * T);
     std::copy(window.begin() + 1, window.end(), batch.targets.data<int32_t>() + b * T);
@@ -620,8 +625,8 @@ absl::StatusOr<Batch> BatchSampler::MqarBatch(uint64_t first_example, uint64_t s
 
 absl::StatusOr<Batch> BatchSampler::TrainBatch(int64_t step, int dp_rank) const {
   if (step < 0 || dp_rank < 0 || dp_rank >= dp_) {
-    return absl::InvalidArgumentError(absl::StrCat("TrainBatch: step ", step, ", dp_rank ",
-                                                   dp_rank, " outside [0, ", dp_, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("TrainBatch: step ", step, ", dp_rank ", dp_rank, " outside [0, ", dp_, ")"));
   }
   const int64_t first = (step * dp_ + dp_rank) * data_.batch_size();
   if (data_.kind() == DataConfig::TEXT) return TextBatch(*train_, first, /*random=*/true);

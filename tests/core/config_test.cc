@@ -51,7 +51,8 @@ class ConfigTest : public ::testing::Test {
     ASSERT_FALSE(cfg.ok()) << "accepted:\n" << text;
     EXPECT_EQ(cfg.status().code(), absl::StatusCode::kInvalidArgument) << cfg.status();
     for (const std::string& n : needles) {
-      EXPECT_TRUE(Contains(cfg.status(), n)) << "missing '" << n << "' in:\n" << cfg.status().message();
+      EXPECT_TRUE(Contains(cfg.status(), n)) << "missing '" << n << "' in:\n"
+                                             << cfg.status().message();
     }
   }
 
@@ -61,8 +62,8 @@ class ConfigTest : public ::testing::Test {
 
 // A valid base that the error tests modify one thing at a time.
 const char kBase[] = R"pb(
-data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 }
-model { vocab_size: 64 width: 32 heads: 2 layers: 1 }
+  data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 }
+  model { vocab_size: 64 width: 32 heads: 2 layers: 1 }
 )pb";
 
 TEST_F(ConfigTest, EveryShippedConfigLoadsAndValidates) {
@@ -97,13 +98,13 @@ TEST_F(ConfigTest, EveryShippedConfigLoadsAndValidates) {
 }
 
 TEST_F(ConfigTest, DefaultsFillOnlyUnsetFields) {
-  auto cfg = ParseConfigText("run { name: \"r1\" steps: 50 }\noptimizer { weight_decay: 0 lr: 1e-3 }",
-                             "<inline>");
+  auto cfg = ParseConfigText(
+      "run { name: \"r1\" steps: 50 }\noptimizer { weight_decay: 0 lr: 1e-3 }", "<inline>");
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   ApplyDefaults(*cfg);
-  EXPECT_EQ(cfg->optimizer().weight_decay(), 0.f);  // explicit zero kept
+  EXPECT_EQ(cfg->optimizer().weight_decay(), 0.f);    // explicit zero kept
   EXPECT_FLOAT_EQ(cfg->optimizer().min_lr(), 1e-4f);  // derived: lr / 10
-  EXPECT_EQ(cfg->optimizer().total_steps(), 50);     // derived: run.steps
+  EXPECT_EQ(cfg->optimizer().total_steps(), 50);      // derived: run.steps
   EXPECT_FLOAT_EQ(cfg->optimizer().beta2(), 0.95f);
   EXPECT_EQ(cfg->model().width(), 256);
   EXPECT_EQ(cfg->model().head_dim_qk(), 64);  // width / heads
@@ -122,8 +123,9 @@ TEST_F(ConfigTest, DefaultsFillOnlyUnsetFields) {
 }
 
 TEST_F(ConfigTest, OverridesApplyBeforeDefaults) {
-  const std::string path = Write("ok.textproto", "data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 seed: 5 }\n"
-                                                 "model { vocab_size: 64 width: 32 heads: 2 layers: 1 }\n");
+  const std::string path = Write("ok.textproto",
+                                 "data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 seed: 5 }\n"
+                                 "model { vocab_size: 64 width: 32 heads: 2 layers: 1 }\n");
   auto cfg = LoadConfig(path, {"optimizer.lr=3e-4", "run.name=demo2", "data.seed=0",
                                "model.gated=true", "data.layout=PLACED", "run.dir='/tmp/x y'"});
   ASSERT_TRUE(cfg.ok()) << cfg.status();
@@ -153,49 +155,58 @@ TEST_F(ConfigTest, UnknownFieldNamesFileLineColumnAndMessage) {
   auto cfg = LoadConfig(path);
   ASSERT_FALSE(cfg.ok());
   EXPECT_EQ(cfg.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Contains(cfg.status(),
-                       path + ":3:3: unknown field 'lerning_rate' in smat.OptimizerConfig"))
+  EXPECT_TRUE(
+      Contains(cfg.status(), path + ":3:3: unknown field 'lerning_rate' in smat.OptimizerConfig"))
       << cfg.status();
   // A close misspelling gets a suggestion.
-  ExpectInvalid("model {\n  widht: 3\n}\n", {":2:3: unknown field 'widht' in smat.ModelConfig",
-                                            "did you mean 'width'?"});
+  ExpectInvalid("model {\n  widht: 3\n}\n",
+                {":2:3: unknown field 'widht' in smat.ModelConfig", "did you mean 'width'?"});
 }
 
 TEST_F(ConfigTest, WrongTypeNamesTheField) {
-  ExpectInvalid("model {\n  width: \"wide\"\n}\n", {"bad.textproto:2:10:", "'width'",
-                                                   "Expected integer"});
-  ExpectInvalid("data { kind: BOOKS }", {":1:14:", "Unknown enumeration value of \"BOOKS\"",
-                                         "\"kind\""});
+  ExpectInvalid("model {\n  width: \"wide\"\n}\n",
+                {"bad.textproto:2:10:", "'width'", "Expected integer"});
+  ExpectInvalid("data { kind: BOOKS }",
+                {":1:14:", "Unknown enumeration value of \"BOOKS\"", "\"kind\""});
   ExpectInvalid("model { width: 3000000000 }", {":1:16:", "'width'", "out of range"});
 }
 
 TEST_F(ConfigTest, SyntaxErrorHasPosition) {
   ExpectInvalid("model {\n  width: 32\n", {"bad.textproto:3:1:", "is a closing '}' missing?"});
-  ExpectInvalid("model { width: 32 width: 64 }", {":1:24:", "\"width\" is specified multiple times"});
+  ExpectInvalid("model { width: 32 width: 64 }",
+                {":1:24:", "\"width\" is specified multiple times"});
   ExpectInvalid("model { width 32 }", {"bad.textproto:1:15:", "Expected \":\""});
 }
 
 TEST_F(ConfigTest, OutOfRangeValuesNameFieldAndValue) {
-  ExpectInvalid(std::string(kBase) + "smat { d: 9 }", {"config: smat.d = 9 is out of range; expected 1..8"});
-  ExpectInvalid(std::string(kBase) + "optimizer { lr: 0 }", {"config: optimizer.lr = 0 must be > 0"});
-  ExpectInvalid(std::string(kBase) + "smat { chunk: 0 }", {"config: smat.chunk = 0 must be at least 1"});
-  ExpectInvalid(std::string(kBase) + "parallel { dp: 0 }", {"config: parallel.dp = 0 must be at least 1"});
+  ExpectInvalid(std::string(kBase) + "smat { d: 9 }",
+                {"config: smat.d = 9 is out of range; expected 1..8"});
+  ExpectInvalid(std::string(kBase) + "optimizer { lr: 0 }",
+                {"config: optimizer.lr = 0 must be > 0"});
+  ExpectInvalid(std::string(kBase) + "smat { chunk: 0 }",
+                {"config: smat.chunk = 0 must be at least 1"});
+  ExpectInvalid(std::string(kBase) + "parallel { dp: 0 }",
+                {"config: parallel.dp = 0 must be at least 1"});
   ExpectInvalid(std::string(kBase) + "smat { q: 6 }", {"config: smat.q = 6 is not prime"});
-  ExpectInvalid(std::string(kBase) + "optimizer { beta2: 1 }", {"config: optimizer.beta2 = 1 is out of range"});
+  ExpectInvalid(std::string(kBase) + "optimizer { beta2: 1 }",
+                {"config: optimizer.beta2 = 1 is out of range"});
   ExpectInvalid(std::string(kBase) + "parallel { device: \"tpu\" }",
                 {"config: parallel.device = \"tpu\" is not a device"});
 }
 
 TEST_F(ConfigTest, CrossFieldRules) {
   // 384 / 6 = 64 is fine; 384 / 7 is not.
-  EXPECT_TRUE(LoadConfig(Write("ok.textproto", "data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 }\n"
-                                               "model { vocab_size: 64 width: 384 heads: 6 }"))
+  EXPECT_TRUE(LoadConfig(Write("ok.textproto",
+                               "data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 }\n"
+                               "model { vocab_size: 64 width: 384 heads: 6 }"))
                   .ok());
-  ExpectInvalid("data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 }\n"
-                "model { vocab_size: 64 width: 384 heads: 7 }",
-                {"config: model.heads = 7 does not divide model.width = 384"});
-  ExpectInvalid(std::string(kBase) + "parallel { sp: 16 } smat { chunk: 64 }",
-                {"data.seq_len = 512 has 8 chunks of smat.chunk = 64, fewer than parallel.sp = 16"});
+  ExpectInvalid(
+      "data { kind: MQAR seq_len: 512 num_pairs: 8 vocab: 64 }\n"
+      "model { vocab_size: 64 width: 384 heads: 7 }",
+      {"config: model.heads = 7 does not divide model.width = 384"});
+  ExpectInvalid(
+      std::string(kBase) + "parallel { sp: 16 } smat { chunk: 64 }",
+      {"data.seq_len = 512 has 8 chunks of smat.chunk = 64, fewer than parallel.sp = 16"});
   ExpectInvalid(std::string(kBase) + "parallel { sp: 2 } smat { chunk: 100 }",
                 {"data.seq_len = 512 is not a multiple of smat.chunk = 100"});
   ExpectInvalid(kBase, {"data.vocab = 128 exceeds model.vocab_size = 64"}, {"data.vocab=128"});
@@ -203,7 +214,8 @@ TEST_F(ConfigTest, CrossFieldRules) {
                 {"data.num_pairs=200"});
   // A message given twice in a file is refused like a scalar given twice.
   ExpectInvalid(std::string(kBase) + "data { seed: 3 }", {"\"data\" is specified multiple times"});
-  ExpectInvalid(std::string(kBase) + "smat { d: 7 }", {"smat.d = 7", "does not fit data.seq_len = 512"});
+  ExpectInvalid(std::string(kBase) + "smat { d: 7 }",
+                {"smat.d = 7", "does not fit data.seq_len = 512"});
   ExpectInvalid("data { kind: TEXT }", {"data.path is empty"});
   ExpectInvalid("data { kind: TEXT path: \"a.bin\" } run { eval_every: 10 }",
                 {"run.eval_every = 10 needs data.heldout_path"});
@@ -214,14 +226,17 @@ TEST_F(ConfigTest, CrossFieldRules) {
 
 TEST_F(ConfigTest, BadOverridePath) {
   const std::string base = std::string(kBase);
-  ExpectInvalid(base, {"--set optimizer.lerning_rate=1: unknown field 'lerning_rate' in "
-                       "smat.OptimizerConfig"},
+  ExpectInvalid(base,
+                {"--set optimizer.lerning_rate=1: unknown field 'lerning_rate' in "
+                 "smat.OptimizerConfig"},
                 {"optimizer.lerning_rate=1"});
-  ExpectInvalid(base, {"--set optimiser.lr=1: unknown field 'optimiser' in smat.TrainConfig",
-                       "did you mean 'optimizer'?"},
+  ExpectInvalid(base,
+                {"--set optimiser.lr=1: unknown field 'optimiser' in smat.TrainConfig",
+                 "did you mean 'optimizer'?"},
                 {"optimiser.lr=1"});
   ExpectInvalid(base, {"--set model=3: 'model' is a message"}, {"model=3"});
-  ExpectInvalid(base, {"--set run.name.x=1: 'name' in smat.RunConfig is a value"}, {"run.name.x=1"});
+  ExpectInvalid(base, {"--set run.name.x=1: 'name' in smat.RunConfig is a value"},
+                {"run.name.x=1"});
   ExpectInvalid(base, {"--set optimizer.lr: expected path.to.field=value"}, {"optimizer.lr"});
 }
 

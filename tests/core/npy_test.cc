@@ -116,8 +116,8 @@ TEST_F(NpyTest, ZeroDimensionalTensorHasOneElement) {
 // np.save of np.array([[1, 2, 3], [4, 5, 6]], dtype='<i4') with numpy >= 1.23:
 // the dict, 20 spare spaces for growing axis 0, padding to 64, '\n'.
 TEST_F(NpyTest, HeaderIsByteIdenticalToNumpy) {
-  const std::string dict = "{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3), }" +
-                           std::string(20, ' ');
+  const std::string dict =
+      "{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3), }" + std::string(20, ' ');
   const std::string expected =
       std::string("\x93NUMPY\x01\x00\x76\x00", 10) + dict + std::string(38, ' ') + "\n";
   auto h = NpyHeader(DType::kI32, {2, 3});
@@ -135,10 +135,10 @@ TEST_F(NpyTest, HeaderIsByteIdenticalToNumpy) {
 }
 
 TEST_F(NpyTest, ReadsTheNumpyLayoutWrittenByHand) {
-  const std::string dict = "{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3), }" +
-                           std::string(20, ' ');
-  std::string bytes = std::string("\x93NUMPY\x01\x00\x76\x00", 10) + dict +
-                      std::string(38, ' ') + "\n";
+  const std::string dict =
+      "{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3), }" + std::string(20, ' ');
+  std::string bytes =
+      std::string("\x93NUMPY\x01\x00\x76\x00", 10) + dict + std::string(38, ' ') + "\n";
   for (int32_t v : {1, 2, 3, 4, 5, -6}) bytes.append(reinterpret_cast<const char*>(&v), 4);
   auto t = ReadNpy(WriteBytes("numpy.npy", bytes));
   ASSERT_TRUE(t.ok()) << t.status();
@@ -161,9 +161,9 @@ TEST_F(NpyTest, ReadsLegacyNumpyHeaders) {
   EXPECT_EQ(t->data<double>()[2], 1e300);
 
   // Python 2 wrote longs as "3L".
-  auto py2 = ReadNpy(WriteBytes(
-      "py2.npy", V1File("{'descr': '<u2', 'fortran_order': False, 'shape': (2L, 1L), }",
-                        std::string("\x01\x00\x02\x00", 4))));
+  auto py2 = ReadNpy(
+      WriteBytes("py2.npy", V1File("{'descr': '<u2', 'fortran_order': False, 'shape': (2L, 1L), }",
+                                   std::string("\x01\x00\x02\x00", 4))));
   ASSERT_TRUE(py2.ok()) << py2.status();
   EXPECT_EQ(py2->shape(), Shape({2, 1}));
   EXPECT_EQ(py2->data<uint16_t>()[1], 2);
@@ -180,7 +180,8 @@ TEST_F(NpyTest, ReadsVersion2And3Headers) {
     const uint32_t len = static_cast<uint32_t>(dict.size());
     bytes.append(reinterpret_cast<const char*>(&len), 4);
     bytes += dict;
-    for (int64_t v : {int64_t{-1}, int64_t{1} << 40}) bytes.append(reinterpret_cast<const char*>(&v), 8);
+    for (int64_t v : {int64_t{-1}, int64_t{1} << 40})
+      bytes.append(reinterpret_cast<const char*>(&v), 8);
     auto t = ReadNpy(WriteBytes("v2.npy", bytes));
     ASSERT_TRUE(t.ok()) << "version " << int(major) << ": " << t.status();
     EXPECT_EQ(t->data<int64_t>()[0], -1);
@@ -226,43 +227,51 @@ TEST_F(NpyTest, TruncatedHeader) {
 
 TEST_F(NpyTest, TruncatedAndTrailingData) {
   const std::string dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }";
-  ExpectError(WriteBytes("td.npy", V1File(dict, std::string(20, 'x'))),
-              absl::StatusCode::kDataLoss, "expected 24 bytes of data for fp32[2, 3], file has 20");
-  ExpectError(WriteBytes("tr.npy", V1File(dict, std::string(25, 'x'))),
-              absl::StatusCode::kDataLoss, "trailing bytes");
+  ExpectError(WriteBytes("td.npy", V1File(dict, std::string(20, 'x'))), absl::StatusCode::kDataLoss,
+              "expected 24 bytes of data for fp32[2, 3], file has 20");
+  ExpectError(WriteBytes("tr.npy", V1File(dict, std::string(25, 'x'))), absl::StatusCode::kDataLoss,
+              "trailing bytes");
 }
 
 TEST_F(NpyTest, FortranOrderIsRefused) {
-  ExpectError(WriteBytes("f.npy", V1File("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }",
-                                         std::string(16, 'x'))),
-              absl::StatusCode::kInvalidArgument, "fortran_order is True");
+  ExpectError(
+      WriteBytes("f.npy", V1File("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }",
+                                 std::string(16, 'x'))),
+      absl::StatusCode::kInvalidArgument, "fortran_order is True");
 }
 
 TEST_F(NpyTest, BigEndianAndUnsupportedDtypesAreNamed) {
-  ExpectError(WriteBytes("be.npy", V1File("{'descr': '>f4', 'fortran_order': False, 'shape': (1,), }",
-                                          std::string(4, 'x'))),
-              absl::StatusCode::kInvalidArgument, "big-endian dtype '>f4'");
-  ExpectError(WriteBytes("f2.npy", V1File("{'descr': '<f2', 'fortran_order': False, 'shape': (1,), }",
-                                          std::string(2, 'x'))),
-              absl::StatusCode::kInvalidArgument, "unsupported dtype '<f2'");
-  ExpectError(WriteBytes("b1.npy", V1File("{'descr': '|b1', 'fortran_order': False, 'shape': (1,), }",
-                                          std::string(1, 'x'))),
-              absl::StatusCode::kInvalidArgument, "unsupported dtype '|b1'");
   ExpectError(
-      WriteBytes("rec.npy", V1File("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }",
-                                   std::string(4, 'x'))),
+      WriteBytes("be.npy", V1File("{'descr': '>f4', 'fortran_order': False, 'shape': (1,), }",
+                                  std::string(4, 'x'))),
+      absl::StatusCode::kInvalidArgument, "big-endian dtype '>f4'");
+  ExpectError(
+      WriteBytes("f2.npy", V1File("{'descr': '<f2', 'fortran_order': False, 'shape': (1,), }",
+                                  std::string(2, 'x'))),
+      absl::StatusCode::kInvalidArgument, "unsupported dtype '<f2'");
+  ExpectError(
+      WriteBytes("b1.npy", V1File("{'descr': '|b1', 'fortran_order': False, 'shape': (1,), }",
+                                  std::string(1, 'x'))),
+      absl::StatusCode::kInvalidArgument, "unsupported dtype '|b1'");
+  ExpectError(
+      WriteBytes("rec.npy",
+                 V1File("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }",
+                        std::string(4, 'x'))),
       absl::StatusCode::kInvalidArgument, "structured dtype");
 }
 
 TEST_F(NpyTest, MalformedHeaderDict) {
-  ExpectError(WriteBytes("m1.npy", V1File("{'descr' '<f4', 'fortran_order': False, 'shape': (1,), }",
-                                          std::string(4, 'x'))),
-              absl::StatusCode::kDataLoss, "malformed header dict at character 9: expected ':'");
-  ExpectError(WriteBytes("m2.npy", V1File("{'descr': '<f4', 'shape': (1,), }", std::string(4, 'x'))),
-              absl::StatusCode::kDataLoss, "no 'fortran_order' key");
-  ExpectError(WriteBytes("m3.npy", V1File("{'descr': '<f4', 'fortran_order': False, 'shape': (1, x), }",
-                                          std::string(4, 'x'))),
-              absl::StatusCode::kDataLoss, "expected an integer");
+  ExpectError(
+      WriteBytes("m1.npy", V1File("{'descr' '<f4', 'fortran_order': False, 'shape': (1,), }",
+                                  std::string(4, 'x'))),
+      absl::StatusCode::kDataLoss, "malformed header dict at character 9: expected ':'");
+  ExpectError(
+      WriteBytes("m2.npy", V1File("{'descr': '<f4', 'shape': (1,), }", std::string(4, 'x'))),
+      absl::StatusCode::kDataLoss, "no 'fortran_order' key");
+  ExpectError(
+      WriteBytes("m3.npy", V1File("{'descr': '<f4', 'fortran_order': False, 'shape': (1, x), }",
+                                  std::string(4, 'x'))),
+      absl::StatusCode::kDataLoss, "expected an integer");
   ExpectError(WriteBytes("m4.npy", V1File("{'descr': '<f4', 'fortran_order': 0, 'shape': (1,), }",
                                           std::string(4, 'x'))),
               absl::StatusCode::kDataLoss, "unsupported value for key 'fortran_order'");
@@ -273,9 +282,10 @@ TEST_F(NpyTest, MalformedHeaderDict) {
 }
 
 TEST_F(NpyTest, NegativeShapeEntry) {
-  ExpectError(WriteBytes("neg.npy", V1File("{'descr': '<f4', 'fortran_order': False, 'shape': (3, -1), }",
-                                           "")),
-              absl::StatusCode::kDataLoss, "shape [3, -1] has a negative entry");
+  ExpectError(
+      WriteBytes("neg.npy",
+                 V1File("{'descr': '<f4', 'fortran_order': False, 'shape': (3, -1), }", "")),
+      absl::StatusCode::kDataLoss, "shape [3, -1] has a negative entry");
 }
 
 TEST_F(NpyTest, UnsupportedFormatVersion) {

@@ -12,8 +12,7 @@
 namespace smat {
 namespace {
 
-void ExpectBlock(PhiloxCounter c, PhiloxKey k, uint32_t e0, uint32_t e1, uint32_t e2,
-                 uint32_t e3) {
+void ExpectBlock(PhiloxCounter c, PhiloxKey k, uint32_t e0, uint32_t e1, uint32_t e2, uint32_t e3) {
   const PhiloxCounter out = Philox4x32(c, k);
   EXPECT_EQ(out.w[0], e0);
   EXPECT_EQ(out.w[1], e1);
@@ -68,9 +67,8 @@ TEST(PhiloxTest, SpanOfFillEqualsFillOfSpan) {
           ASSERT_TRUE(part.ok());
           ASSERT_TRUE(fill(*part, start).ok());
           const size_t es = DTypeSize(dt);
-          EXPECT_EQ(std::memcmp(part->raw(), static_cast<char*>(full->raw()) + start * es,
-                                len * es),
-                    0)
+          EXPECT_EQ(
+              std::memcmp(part->raw(), static_cast<char*>(full->raw()) + start * es, len * es), 0)
               << DTypeName(dt) << " kind " << kind << " start " << start << " len " << len;
         }
       }

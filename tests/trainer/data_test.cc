@@ -82,8 +82,8 @@ TEST_F(DataTest, TokenFileLayoutAndRoundTripAtEachWidth) {
     const std::string raw = ReadAll(p);
     ASSERT_EQ(raw.size(), 32u + 1001u * width);
     EXPECT_EQ(raw.substr(0, 8), "SMATTOK1");
-    EXPECT_EQ(raw[8], 1);           // version, little-endian
-    EXPECT_EQ(raw[12], width);      // token width
+    EXPECT_EQ(raw[8], 1);       // version, little-endian
+    EXPECT_EQ(raw[12], width);  // token width
     uint64_t v = 0, n = 0;
     std::memcpy(&v, raw.data() + 16, 8);
     std::memcpy(&n, raw.data() + 24, 8);
@@ -165,11 +165,11 @@ TEST_F(DataTest, DamagedAndMismatchedFilesGiveSpecificErrors) {
 }
 
 TEST_F(DataTest, ByteCorpusSplitsEachFileTailAndIsReproducible) {
-  WriteBytes("in/b/second.txt", "0123456789");   // 10 bytes: 2 held out at 0.25
-  WriteBytes("in/a.txt", "abcdefgh");            // 8 bytes: 2 held out
-  WriteBytes("in/b/c/third.txt", "XYZ");         // 3 bytes: 0 held out
+  WriteBytes("in/b/second.txt", "0123456789");                // 10 bytes: 2 held out at 0.25
+  WriteBytes("in/a.txt", "abcdefgh");                         // 8 bytes: 2 held out
+  WriteBytes("in/b/c/third.txt", "XYZ");                      // 3 bytes: 0 held out
   const std::string extra = WriteBytes("extra.txt", "!!!!");  // 4 bytes: 1 held out
-  const std::string out = Path("in/corpus.bin");   // inside an input dir on purpose
+  const std::string out = Path("in/corpus.bin");              // inside an input dir on purpose
   const std::string held = DefaultHeldoutPath(out);
   EXPECT_EQ(held, Path("in/corpus.heldout.bin"));
   for (int run = 0; run < 2; ++run) {  // the second run must skip its own outputs
@@ -332,7 +332,9 @@ TEST_F(DataTest, TextBatchesAreShiftedWindowsOfTheFile) {
   std::vector<int32_t> tokens(5000);
   for (int i = 0; i < 5000; ++i) tokens[i] = i % 251;
   ASSERT_TRUE(WriteTokenFile(Path("train.bin"), tokens, 256).ok());
-  ASSERT_TRUE(WriteTokenFile(Path("held.bin"), std::vector<int32_t>(tokens.begin(), tokens.begin() + 700), 256).ok());
+  ASSERT_TRUE(WriteTokenFile(Path("held.bin"),
+                             std::vector<int32_t>(tokens.begin(), tokens.begin() + 700), 256)
+                  .ok());
   DataConfig d;
   d.set_kind(DataConfig::TEXT);
   d.set_path(Path("train.bin"));
@@ -381,12 +383,12 @@ TEST_F(DataTest, SmatDataToolWritesAndDescribesTokenFiles) {
   WriteBytes("docs/two.txt", std::string(50, 'b'));
   const std::string bin = SMAT_DATA_BIN;
   ASSERT_EQ(RunTool(bin + " bytes --input " + Path("docs") + " --output " + Path("d.bin") +
-                " --heldout_fraction 0.1"),
+                    " --heldout_fraction 0.1"),
             0);
   EXPECT_EQ(Tokens(Path("d.bin")).size(), 90u + 45u);
   EXPECT_EQ(Tokens(Path("d.heldout.bin")).size(), 10u + 5u);
   EXPECT_EQ(RunTool(bin + " info " + Path("d.bin")), 0);
-  EXPECT_EQ(RunTool(bin + " info " + Path("docs/one.txt")), 1);  // not a token file
+  EXPECT_EQ(RunTool(bin + " info " + Path("docs/one.txt")), 1);     // not a token file
   EXPECT_EQ(RunTool(bin + " bytes --output " + Path("x.bin")), 2);  // no inputs
   EXPECT_EQ(RunTool(bin + " shuffle"), 2);
 }
