@@ -393,6 +393,16 @@ absl::StatusOr<ByteCorpusStats> WriteByteCorpus(const std::vector<std::string>& 
                 [&](const auto& k) { return k.first == train_canon || k.first == heldout_canon; });
   if (keyed.empty()) return absl::InvalidArgumentError("no input files found");
 
+  // Output folders are created, like `mkdir -p`, so "--output data/x.bin" just works.
+  for (const std::string& out : {train_path, heldout_path}) {
+    const fs::path parent = fs::path(out).parent_path();
+    if (out.empty() || parent.empty()) continue;
+    fs::create_directories(parent, ec);
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot create the folder of '", out, "': ", ec.message()));
+    }
+  }
   SMAT_ASSIGN_OR_RETURN(TokenFileWriter train, TokenFileWriter::Create(train_path, kByteVocab));
   std::unique_ptr<TokenFileWriter> heldout;
   if (heldout_fraction > 0) {

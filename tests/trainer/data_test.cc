@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
 #include "gtest/gtest.h"
 
 namespace smat {
@@ -372,6 +373,30 @@ TEST_F(DataTest, TextBatchesAreShiftedWindowsOfTheFile) {
   EXPECT_EQ(BatchSampler::Create(d, 256, 1).status().code(), absl::StatusCode::kUnimplemented);
 }
 
+// The shipped configs drive the sampler as the trainer will: LoadConfig, then
+// BatchSampler::Create with the model's vocabulary and the dp size.
+TEST_F(DataTest, ShippedConfigsDriveTheSampler) {
+  const std::string configs = std::string(SMAT_SOURCE_DIR) + "/configs/";
+  std::vector<int32_t> tokens(4000);
+  for (int i = 0; i < 4000; ++i) tokens[i] = (i * 31) % 256;
+  ASSERT_TRUE(WriteTokenFile(Path("b.bin"), tokens, 256).ok());
+  ASSERT_TRUE(WriteTokenFile(Path("b.heldout.bin"), tokens, 256).ok());
+  auto text =
+      LoadConfig(configs + "bytes_cpu.textproto",
+                 {"data.path=" + Path("b.bin"), "data.heldout_path=" + Path("b.heldout.bin")});
+  ASSERT_TRUE(text.ok()) << text.status();
+  auto demo = LoadConfig(configs + "demo_cpu.textproto");
+  ASSERT_TRUE(demo.ok()) << demo.status();
+  for (const TrainConfig& cfg : {*text, *demo}) {
+    auto sampler = BatchSampler::Create(cfg.data(), cfg.model().vocab_size(), cfg.parallel().dp());
+    ASSERT_TRUE(sampler.ok()) << sampler.status();
+    auto batch = (*sampler)->TrainBatch(0, 0);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    EXPECT_EQ(batch->inputs.shape(), Shape({cfg.data().batch_size(), cfg.data().seq_len()}));
+    EXPECT_TRUE((*sampler)->has_eval());
+  }
+}
+
 #ifdef SMAT_DATA_BIN
 int RunTool(const std::string& cmd) {
   const int rc = std::system((cmd + " >/dev/null 2>&1").c_str());
@@ -388,6 +413,10 @@ TEST_F(DataTest, SmatDataToolWritesAndDescribesTokenFiles) {
   EXPECT_EQ(Tokens(Path("d.bin")).size(), 90u + 45u);
   EXPECT_EQ(Tokens(Path("d.heldout.bin")).size(), 10u + 5u);
   EXPECT_EQ(RunTool(bin + " info " + Path("d.bin")), 0);
+  // Output folders are created.
+  ASSERT_EQ(RunTool(bin + " bytes --output " + Path("new/sub/e.bin") + " " + Path("docs/one.txt")),
+            0);
+  EXPECT_EQ(Tokens(Path("new/sub/e.bin")).size(), 100u);
   EXPECT_EQ(RunTool(bin + " info " + Path("docs/one.txt")), 1);     // not a token file
   EXPECT_EQ(RunTool(bin + " bytes --output " + Path("x.bin")), 2);  // no inputs
   EXPECT_EQ(RunTool(bin + " shuffle"), 2);
