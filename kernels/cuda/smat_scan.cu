@@ -32,13 +32,15 @@ __global__ void ChunkLogDecayKernel(SmatCudaDims d, const float* __restrict__ lo
   const int64_t k = (idx / d.H) % d.Lc;
   const int b = static_cast<int>(idx / (static_cast<int64_t>(d.H) * d.Lc));
   const int64_t lo = k * d.chunk, hi = min(lo + d.chunk, static_cast<int64_t>(d.L));
-  float acc = 0.f;
+  // Double accumulation, as on the CPU: lam sits in an exponent, so its
+  // absolute error is the relative error of every weight.
+  double acc = 0.0;
   for (int64_t i = lo; i < hi; ++i) {
     const int64_t row = TokenRow(d, b, i, h);
     acc += logg[row];
-    lam[row] = acc;
+    lam[row] = static_cast<float>(acc);
   }
-  chunk_decay[ChunkRow(d, b, k, h)] = acc;
+  chunk_decay[ChunkRow(d, b, k, h)] = static_cast<float>(acc);
 }
 
 // ---- chunk offsets ---------------------------------------------------------------
@@ -48,16 +50,16 @@ __global__ void ChunkLogDecayKernel(SmatCudaDims d, const float* __restrict__ lo
 // order.
 __global__ void ChunkOffsetsKernel(SmatCudaDims d, const float* __restrict__ cd,
                                    float* __restrict__ off) {
-  __shared__ float dist_run[kThreads], rec_run[kThreads];
+  __shared__ double dist_run[kThreads], rec_run[kThreads];
   const int b = blockIdx.x / d.H, h = blockIdx.x % d.H;
   const int64_t first_global = d.t0 / d.chunk;
   const int64_t n_chunks = d.n / d.chunk;  // global chunks before n
   const int64_t run = (d.Lc + kThreads - 1) / kThreads;
   const int64_t lo = min(static_cast<int64_t>(d.Lc), threadIdx.x * run);
   const int64_t hi = min(static_cast<int64_t>(d.Lc), lo + run);
-  float ds = 0.f, rs = 0.f;
+  double ds = 0.0, rs = 0.0;  // exponents: double sums, as on the CPU
   for (int64_t k = lo; k < hi; ++k) {
-    const float c = cd[ChunkRow(d, b, k, h)];
+    const double c = cd[ChunkRow(d, b, k, h)];
     if (first_global + k < n_chunks) ds += c; else rs += c;
   }
   dist_run[threadIdx.x] = ds;
@@ -66,32 +68,32 @@ __global__ void ChunkOffsetsKernel(SmatCudaDims d, const float* __restrict__ cd,
   if (threadIdx.x == 0) {
     // dist_run[t] <- sum over later runs (exclusive suffix); rec_run[t] <- sum
     // over earlier runs (exclusive prefix).
-    float acc = 0.f;
+    double acc = 0.0;
     for (int t = kThreads - 1; t >= 0; --t) {
-      const float x = dist_run[t];
+      const double x = dist_run[t];
       dist_run[t] = acc;
       acc += x;
     }
-    acc = 0.f;
+    acc = 0.0;
     for (int t = 0; t < kThreads; ++t) {
-      const float x = rec_run[t];
+      const double x = rec_run[t];
       rec_run[t] = acc;
       acc += x;
     }
   }
   __syncthreads();
   // Distant: walk the run backwards; recent: forwards.
-  float acc = dist_run[threadIdx.x];
+  double acc = dist_run[threadIdx.x];
   for (int64_t k = hi - 1; k >= lo; --k) {
     if (first_global + k < n_chunks) {
-      off[ChunkRow(d, b, k, h)] = acc;
+      off[ChunkRow(d, b, k, h)] = static_cast<float>(acc);
       acc += cd[ChunkRow(d, b, k, h)];
     }
   }
   acc = rec_run[threadIdx.x];
   for (int64_t k = lo; k < hi; ++k) {
     if (first_global + k >= n_chunks) {
-      off[ChunkRow(d, b, k, h)] = acc;
+      off[ChunkRow(d, b, k, h)] = static_cast<float>(acc);
       acc += cd[ChunkRow(d, b, k, h)];
     }
   }
@@ -126,10 +128,10 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
   BlockChunks(d, blk, &k0, &k1);
   const int64_t blk_row = (static_cast<int64_t>(b) * 2 + blk) * d.H + h;
   if (w == 0) {
-    float s = 0.f;
+    double s = 0.0;
     if (cd != nullptr)
       for (int64_t k = k0; k < k1; ++k) s += cd[ChunkRow(d, b, k, h)];
-    span_decay[blk_row] = s;
+    span_decay[blk_row] = static_cast<float>(s);
   }
   if (w >= W) return;
   float Y = (k0 < k1 && incoming != nullptr) ? incoming[blk_row * W + w] : 0.f;
