@@ -21,6 +21,7 @@
 #include "core/geometry.h"
 #include "core/tensor.h"
 #include "kernels/backend.h"
+#include "tools/smat_op_parallel.h"
 #include "tools/smat_op_run.h"
 
 ABSL_FLAG(std::string, in, "", "directory holding phi.npy, psi.npy, v.npy (+ logg, prof, type, do)");
@@ -95,6 +96,10 @@ int Main(int argc, char** argv) {
     if (!cfg.ok()) {
       std::fprintf(stderr, "smat_op: %s\n", std::string(cfg.status().message()).c_str());
       return 2;
+    }
+    // Under mpirun with several ranks: sequence-parallel (tools/smat_op_parallel.h).
+    if (SmatOpLaunchedWorldSize() > 1) {
+      return RunSmatOpUnderMpi(*cfg, absl::GetFlag(FLAGS_in), absl::GetFlag(FLAGS_out));
     }
     status = RunSmatOp(*cfg, absl::GetFlag(FLAGS_in), absl::GetFlag(FLAGS_out));
   }
