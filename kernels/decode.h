@@ -29,7 +29,10 @@
 // bounded ranges (a block or the recent part) are ever exponentiated, in
 // double, and every factor is exp(Lambda_i - Lambda_j) with i >= j (<= 1).
 // Content assignment: prof/type per token in [0, P) / [0, B); when absent the
-// positional maps above (fixed horizon: those of core/geometry.h).
+// positional maps above (fixed horizon: those of core/geometry.h). The fixed-
+// horizon decoder reads prof at distant tokens and type at recent ones only (as
+// kernels/smat_kernels.h does); the stepped window reads both at every token,
+// since every token is a query now and a distant key later.
 //
 //   SMAT_ASSIGN_OR_RETURN(SmatPlan plan, MakeSmatPlan(T, 2, 64));
 //   SMAT_ASSIGN_OR_RETURN(FixedHorizonDecoder dec,

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <memory>
 #include <string>
 #include <utility>
@@ -60,34 +61,58 @@ absl::StatusOr<BenchProblem> MakeProblem(Backend& backend, const SmatBenchConfig
   return pr;
 }
 
-// Runs `body` warmup + reps times, timing each run with backend events.
+// Process CPU time (all threads) in ms: on a shared development machine the
+// wall time of a run depends on the other processes, its CPU time much less.
+double ProcessCpuMs() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t k = v.size() / 2;
+  return v.size() % 2 ? v[k] : 0.5 * (v[k - 1] + v[k]);
+}
+
+struct Timings {
+  std::vector<double> wall_ms;  // backend events
+  std::vector<double> cpu_ms;   // process CPU time
+};
+
+// Runs `body` warmup + reps times, timing each run with backend events (and
+// the process CPU time around it).
 template <typename Body>
-absl::StatusOr<std::vector<double>> TimeRuns(Backend& backend, const SmatBenchConfig& cfg,
-                                             Body body) {
+absl::StatusOr<Timings> TimeRuns(Backend& backend, const SmatBenchConfig& cfg, Body body) {
   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> start, backend.CreateEvent());
   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> stop, backend.CreateEvent());
-  std::vector<double> ms;
+  Timings t;
   for (int i = 0; i < cfg.warmup + cfg.reps; ++i) {
     SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+    const double cpu0 = ProcessCpuMs();
     SMAT_RETURN_IF_ERROR(backend.Record(*start, nullptr));
     SMAT_RETURN_IF_ERROR(body());
     SMAT_RETURN_IF_ERROR(backend.Record(*stop, nullptr));
     SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+    const double cpu1 = ProcessCpuMs();
     SMAT_ASSIGN_OR_RETURN(float elapsed, backend.ElapsedMs(*start, *stop));
-    if (i >= cfg.warmup) ms.push_back(elapsed);
+    if (i >= cfg.warmup) {
+      t.wall_ms.push_back(elapsed);
+      t.cpu_ms.push_back(cpu1 - cpu0);
+    }
   }
-  return ms;
+  return t;
 }
 
 SmatBenchResult Summarize(std::string what, const BenchProblem& pr, const SmatBenchConfig& cfg,
-                          std::vector<double> ms) {
-  std::sort(ms.begin(), ms.end());
+                          const Timings& t) {
   SmatBenchResult r;
   r.what = std::move(what);
   r.plan = pr.plan;
   r.cfg = cfg;
-  r.median_ms = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
-  r.min_ms = ms.front();
+  r.median_ms = Median(t.wall_ms);
+  r.min_ms = *std::min_element(t.wall_ms.begin(), t.wall_ms.end());
+  r.cpu_median_ms = Median(t.cpu_ms);
   r.tokens_per_s = static_cast<double>(cfg.batch * pr.plan.T) / (r.median_ms * 1e-3);
   return r;
 }
@@ -97,11 +122,11 @@ SmatBenchResult Summarize(std::string what, const BenchProblem& pr, const SmatBe
 absl::StatusOr<SmatBenchResult> BenchSmatForward(Backend& backend, const SmatBenchConfig& cfg,
                                                  int64_t T, int d) {
   SMAT_ASSIGN_OR_RETURN(BenchProblem pr, MakeProblem(backend, cfg, T, d));
-  SMAT_ASSIGN_OR_RETURN(std::vector<double> ms, TimeRuns(backend, cfg, [&]() -> absl::Status {
+  SMAT_ASSIGN_OR_RETURN(Timings ms, TimeRuns(backend, cfg, [&]() -> absl::Status {
     SmatForwardOutputs fwd;
     return SmatForward(backend, pr.plan, pr.in, &fwd);
   }));
-  return Summarize("forward", pr, cfg, std::move(ms));
+  return Summarize("forward", pr, cfg, ms);
 }
 
 absl::StatusOr<SmatBenchResult> BenchSmatForwardBackward(Backend& backend,
@@ -110,43 +135,44 @@ absl::StatusOr<SmatBenchResult> BenchSmatForwardBackward(Backend& backend,
   SMAT_ASSIGN_OR_RETURN(BenchProblem pr, MakeProblem(backend, cfg, T, d));
   SMAT_ASSIGN_OR_RETURN(pr.d_o, RandomOnDevice(backend, {cfg.batch, T, cfg.heads, cfg.dv},
                                                DType::kF32, cfg.seed + 4, -1.f, 1.f));
-  SMAT_ASSIGN_OR_RETURN(std::vector<double> ms, TimeRuns(backend, cfg, [&]() -> absl::Status {
+  SMAT_ASSIGN_OR_RETURN(Timings ms, TimeRuns(backend, cfg, [&]() -> absl::Status {
     SmatForwardOutputs fwd;
     SMAT_RETURN_IF_ERROR(SmatForward(backend, pr.plan, pr.in, &fwd));
     SmatGradients grads;
     return SmatBackward(backend, pr.plan, pr.in, fwd, pr.d_o, &grads);
   }));
-  return Summarize("forward+backward", pr, cfg, std::move(ms));
+  return Summarize("forward+backward", pr, cfg, ms);
 }
 
 std::string FormatSmatBenchResult(const SmatBenchResult& r) {
   const SmatPlan& p = r.plan;
   return absl::StrFormat(
       "smat %-16s T=%d d=%d q=%d P=%d B=%d n=%d batch=%d heads=%d r=%d dv=%d chunk=%d gated=%d "
-      "%s: %.3f ms (median of %d, min %.3f), %.4g tokens/s",
+      "%s: %.3f ms (median of %d, min %.3f; process CPU %.3f ms), %.4g tokens/s",
       r.what, p.T, p.geo.d, p.geo.q, p.geo.P, p.geo.B, p.n, r.cfg.batch, r.cfg.heads, r.cfg.r,
       r.cfg.dv, p.chunk, r.cfg.gated ? 1 : 0, DTypeName(r.cfg.dtype), r.median_ms, r.cfg.reps,
-      r.min_ms, r.tokens_per_s);
+      r.min_ms, r.cpu_median_ms, r.tokens_per_s);
 }
 
 absl::StatusOr<std::string> SmatBenchSweep(Backend& backend, const SmatBenchConfig& cfg,
                                            const std::vector<int64_t>& Ts,
                                            const std::vector<int>& ds) {
-  // Medians as specified, and minima: on a shared machine the minimum is the
-  // run least disturbed by other processes, so its ns/token shows the scaling.
+  // Wall-clock medians and minima, and the median process CPU time: on a shared
+  // machine the CPU time per token is the steadiest view of the scaling.
   std::string table =
-      "| d | T | q | P | B | fwd ms median | fwd ms min | fwd ns/token (min) "
-      "| fwd+bwd ms median | fwd+bwd ms min | fwd+bwd ns/token (min) |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "| d | T | q | P | B | fwd ms median | fwd ms min | fwd CPU ms | fwd CPU ns/token "
+      "| fwd+bwd ms median | fwd+bwd ms min | fwd+bwd CPU ms | fwd+bwd CPU ns/token |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (int d : ds) {
     for (int64_t T : Ts) {
       SMAT_ASSIGN_OR_RETURN(SmatBenchResult f, BenchSmatForward(backend, cfg, T, d));
       SMAT_ASSIGN_OR_RETURN(SmatBenchResult fb, BenchSmatForwardBackward(backend, cfg, T, d));
       const double tokens = static_cast<double>(cfg.batch * T);
       const std::string row = absl::StrFormat(
-          "| %d | %d | %d | %d | %d | %.1f | %.1f | %.0f | %.1f | %.1f | %.0f |\n", d, T,
-          f.plan.geo.q, f.plan.geo.P, f.plan.geo.B, f.median_ms, f.min_ms,
-          f.min_ms * 1e6 / tokens, fb.median_ms, fb.min_ms, fb.min_ms * 1e6 / tokens);
+          "| %d | %d | %d | %d | %d | %.1f | %.1f | %.1f | %.0f | %.1f | %.1f | %.1f | %.0f |\n",
+          d, T, f.plan.geo.q, f.plan.geo.P, f.plan.geo.B, f.median_ms, f.min_ms,
+          f.cpu_median_ms, f.cpu_median_ms * 1e6 / tokens, fb.median_ms, fb.min_ms,
+          fb.cpu_median_ms, fb.cpu_median_ms * 1e6 / tokens);
       std::fputs(row.c_str(), stderr);  // progress: the sweep takes minutes on a CPU
       table += row;
     }

@@ -1,6 +1,7 @@
 // The SMat-Attention benchmarks of smat_bench: one function per benchmark,
 // timed with the backend's events (host time on the CPU backend; a CUDA
-// backend records device events), median of `reps` runs after `warmup` runs.
+// backend records device events), median of `reps` runs after `warmup` runs,
+// with the process CPU time of each run beside it.
 //
 //   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Backend> be, CreateBackend(Device::Cpu()));
 //   SMAT_ASSIGN_OR_RETURN(SmatBenchResult r, BenchSmatForward(*be, cfg, /*T=*/65536, /*d=*/2));
@@ -38,6 +39,7 @@ struct SmatBenchResult {
   SmatBenchConfig cfg;
   double median_ms = 0;
   double min_ms = 0;
+  double cpu_median_ms = 0;  // median process CPU time (all threads) per run
   double tokens_per_s = 0;  // batch * T / median
 };
 
