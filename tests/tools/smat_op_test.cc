@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/convert.h"
 #include "core/geometry.h"
 #include "core/npy.h"
 #include "gtest/gtest.h"
@@ -230,6 +231,47 @@ TEST(SmatOpToolTest, DecodeSteppedWindowPastTmax) {
   DenseReferenceOutputs ref =
       MaskedAttentionDenseReference(in, SteppedWindowMaskFn(*plan, window, in));
   ExpectNear(o, ref.o, 1e-6, "stepped decode vs dense");
+}
+
+// --dtype bf16 on the CPU: fp32 arithmetic on bf16-rounded phi, psi, v (the
+// CPU kernels are fp32), so it must equal the fp32 op on rounded inputs, bit
+// for bit, for forward and decode alike.
+TEST(SmatOpToolTest, Bf16OnCpuRoundsTheOperands) {
+  const std::string in_dir = FreshDir("bf16_in"), out_dir = FreshDir("bf16_out");
+  const int64_t T = 83;
+  SmatInputs in = WriteOperands(in_dir, 1, T, 2, 6, 3, true, nullptr, 8, false);
+  SmatInputs rounded = in;
+  for (Tensor* t : {&rounded.phi, &rounded.psi, &rounded.v}) {
+    auto b = ConvertDType(*t, DType::kBF16);
+    ASSERT_TRUE(b.ok());
+    *t = *ConvertDType(*b, DType::kF32);
+  }
+  rounded.eps = 1e-6f;
+  auto plan = MakeSmatPlan(T, 2, 4);
+  ASSERT_TRUE(plan.ok());
+  auto cpu = CreateBackend(Device::Cpu());
+  ASSERT_TRUE(cpu.ok());
+
+  ToolResult res = RunTool(absl::StrCat("forward --d 2 --chunk 4 --dtype bf16 --in ", in_dir,
+                                        " --out ", out_dir));
+  ASSERT_EQ(res.rc, 0) << res.output;
+  SmatForwardOutputs fwd;
+  ASSERT_TRUE(SmatForward(**cpu, *plan, rounded, &fwd).ok());
+  ExpectBitwiseEqual(ReadOut(out_dir + "/o.npy"), fwd.o, "bf16 forward");
+
+  res = RunTool(absl::StrCat("decode --d 2 --chunk 4 --dtype bf16 --in ", in_dir, " --out ",
+                             out_dir));
+  ASSERT_EQ(res.rc, 0) << res.output;
+  auto dec = DecodeSequence(*plan, 0, rounded);
+  ASSERT_TRUE(dec.ok()) << dec.status();
+  ExpectBitwiseEqual(ReadOut(out_dir + "/o.npy"), *dec, "bf16 decode");
+  // Rounding changed something: the fp32 decode differs.
+  auto dec32 = DecodeSequence(*plan, 0, [&] { SmatInputs x = in; x.eps = 1e-6f; return x; }());
+  ASSERT_TRUE(dec32.ok());
+  double diff = 0;
+  for (int64_t i = 0; i < dec32->numel(); ++i)
+    diff = std::max(diff, double(std::fabs(dec32->data<float>()[i] - dec->data<float>()[i])));
+  EXPECT_GT(diff, 1e-5);
 }
 
 TEST(SmatOpToolTest, BadInputsGiveClearErrors) {
