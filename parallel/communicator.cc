@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "core/config.pb.h"
 
 namespace smat {
 
@@ -74,6 +75,14 @@ absl::StatusOr<CommOptions> CommOptions::FromEnvironment() {
           "SMAT_COLLECTIVE_TIMEOUT_S='", t, "' is not a positive number of seconds"));
     }
     options.timeout = absl::Seconds(seconds);
+  }
+  return options;
+}
+
+absl::StatusOr<CommOptions> CommOptions::FromConfig(const ParallelConfig& config) {
+  SMAT_ASSIGN_OR_RETURN(CommOptions options, FromEnvironment());
+  if (std::getenv("SMAT_COLLECTIVE_TIMEOUT_S") == nullptr && config.collective_timeout_seconds() > 0) {
+    options.timeout = absl::Seconds(config.collective_timeout_seconds());
   }
   return options;
 }

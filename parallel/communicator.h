@@ -111,14 +111,19 @@ inline absl::Status InjectFault(const FaultPlan& plan, const std::string& what) 
   return absl::OkStatus();
 }
 
+class ParallelConfig;  // core/config.proto
+
 struct CommOptions {
-  // Deadline of every collective that is not given its own (config:
-  // parallel.collective_timeout_s).
+  // Deadline of every collective that is not given its own; a trainer sets it
+  // from parallel.collective_timeout_seconds (FromConfig).
   absl::Duration timeout = absl::Seconds(60);
   FaultPlan fault;
 
   // Defaults plus $SMAT_FAULT (if set) and $SMAT_COLLECTIVE_TIMEOUT_S (if set).
   static absl::StatusOr<CommOptions> FromEnvironment();
+  // FromEnvironment, with the timeout from the config unless
+  // $SMAT_COLLECTIVE_TIMEOUT_S overrides it (tests shorten it that way).
+  static absl::StatusOr<CommOptions> FromConfig(const ParallelConfig& config);
 };
 
 // One collective in flight. Destroying a handle that has not completed leaves

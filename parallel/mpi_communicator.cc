@@ -169,7 +169,8 @@ class MpiHandle final : public CollectiveHandle {
       int rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) {
         Fail(absl::UnavailableError(
-            absl::StrCat(what_, " failed on rank ", state_->rank, ": ", MpiErrorString(rc))));
+                 absl::StrCat(what_, " failed on rank ", state_->rank, ": ", MpiErrorString(rc))))
+            .IgnoreError();  // recorded in error_, returned by Poll/Wait
         return;
       }
       if (!flag) return;
@@ -184,7 +185,7 @@ class MpiHandle final : public CollectiveHandle {
     if (stages_[next_stage_].ordered && !may_post_ordered) return;
     absl::Status s = stages_[next_stage_++].post(&request_);
     if (!s.ok()) {
-      Fail(s);
+      Fail(s).IgnoreError();  // recorded in error_, returned by Poll/Wait
       return;
     }
     stage_complete_ = false;

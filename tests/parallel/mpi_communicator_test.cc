@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "core/config.pb.h"
 #include "gtest/gtest.h"
 #include "tests/parallel/mpi_test_util.h"
 
@@ -286,6 +287,18 @@ TEST(FaultPlan, ParsesAndRejects) {
   EXPECT_EQ(ParseFaultPlan("kill_in_collective:rank=1").status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(ParseFaultPlan("").ok());
+}
+
+TEST(CommOptions, TimeoutFromConfigUnlessTheEnvironmentOverridesIt) {
+  ParallelConfig config;
+  config.set_collective_timeout_seconds(17);
+  unsetenv("SMAT_COLLECTIVE_TIMEOUT_S");
+  EXPECT_EQ(CommOptions::FromConfig(config).value().timeout, absl::Seconds(17));
+  setenv("SMAT_COLLECTIVE_TIMEOUT_S", "2.5", 1);
+  EXPECT_EQ(CommOptions::FromConfig(config).value().timeout, absl::Milliseconds(2500));
+  setenv("SMAT_COLLECTIVE_TIMEOUT_S", "soon", 1);
+  EXPECT_EQ(CommOptions::FromConfig(config).status().code(), absl::StatusCode::kInvalidArgument);
+  unsetenv("SMAT_COLLECTIVE_TIMEOUT_S");
 }
 
 // A stalled rank: the others must return DeadlineExceeded within the deadline
