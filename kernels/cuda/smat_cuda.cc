@@ -188,6 +188,9 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
     SMAT_RETURN_IF_ERROR(CheckMap(d, type, "type"));
     SMAT_RETURN_IF_ERROR(CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
+    // n = 0: there is no distant block, so no recent token reads U (the CPU
+    // phases' convention; U is then the table of an empty F anyway).
+    if (plan.n == 0) return absl::OkStatus();
     Scratch scratch(s);
     SmatTokenGroups groups;
     SmatTokenWeights w;
@@ -267,6 +270,11 @@ class CudaSmatKernels final : public SmatKernels {
     const int64_t B = plan.geo.B;
     SMAT_RETURN_IF_ERROR(CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
     SMAT_RETURN_IF_ERROR(CheckOut(U_bar, {d.batch, d.H, B, d.r, d.p}, "U_bar"));
+    if (plan.n == 0) {
+      // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
+      return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
+                        "TypeReadsBackward cudaMemsetAsync");
+    }
     Scratch scratch(s);
     SmatTokenGroups groups;
     SmatTokenWeights w;

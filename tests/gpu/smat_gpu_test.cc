@@ -14,8 +14,9 @@
 // bf16: the device reads bf16 inputs and widens them exactly to fp32, and the
 // CPU runs on the same bf16-rounded values in fp32, so the same 1e-5 holds for
 // every fp32 result of a phase; only o itself is rounded to bf16 (relative
-// half-ulp 2^-9), checked at 2^-8, and so are the whole op's gradients, which
-// the composer computes from that bf16 o.
+// half-ulp 2^-9), checked at 2^-8. The whole op's gradients with bf16 inputs
+// are computed from that bf16 o (kBf16OpGradTol below says how much that costs).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -48,6 +49,18 @@ using testing_util::RandomVector;
 
 constexpr double kF32Tol = 1e-5;
 constexpr double kBf16OutTol = 1.0 / 256;
+// The whole op's gradients with bf16 inputs: the composer stores o in bf16 and
+// backward reads it back, so gbar[dv] = -(d_o . o) / den carries o's rounding
+// (relative 2^-9) into d_phi, d_psi and d_logg, amplified where gbar . vbar
+// cancels (for the diagonal term it is d_o . (v - o) / den). Measured on an
+// H200 (2026-11-30): at most 8.8e-3 (d_logg, T = 1031, d = 2); d_v, which only
+// sees gbar[0:dv] = d_o / den, stays at 7e-7. The phase test, which starts
+// backward from the CPU's fp32 o, holds every phase to 1e-5 for bf16 too.
+constexpr double kBf16OpGradTol = 1.0 / 64;
+// Scale floor of the op-level comparison: a gradient whose entries are all far
+// below the O(1) inputs is rounding noise around an exact zero (T = 1: o = v
+// whatever phi and psi are, so d_phi = d_psi = 0), compared in absolute terms.
+constexpr double kGradScaleFloor = 1e-2;
 
 struct Case {
   ProblemSpec spec;
@@ -345,9 +358,11 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
                                  o("chunk_decay"), o("recent_offset"), o("type"), &t("phi_bar"),
                                  &t("U_bar"), nullptr);
     });
-    pb.Compare("TypeReadsBackward", "U_bar", tol, recent);
+    // With n = 0 there is no distant block and no recent token reads U.
+    const bool reads = recent && plan.n > 0;
+    pb.Compare("TypeReadsBackward", "U_bar", tol, reads);
     pb.Compare("TypeReadsBackward", "phi_bar", tol, true);
-    if (!recent) pb.Put("U_bar", HostF32(RandomVector(b * H * Bt * r * p, 111), {b, H, Bt, r, p}));
+    if (!reads) pb.Put("U_bar", HostF32(RandomVector(b * H * Bt * r * p, 111), {b, H, Bt, r, p}));
     pb.Out("F_bar", {b, H, P, r, p});
     both("TabulateBackward", [&](SmatKernels& k, const Get& t, const Opt&) {
       return k.TabulateBackward(plan, t("U_bar"), &t("F_bar"), nullptr);
@@ -474,15 +489,18 @@ TEST_F(SmatGpuTest, WholeOpMatchesCpuAndReferenceAndRepeatsBitwise) {
     ASSERT_EQ(cpu.host.size(), gpu.host.size());
     for (size_t i = 0; i < gpu.host.size(); ++i) {
       const std::vector<double> g = Values(gpu.host[i]), c = Values(cpu.host[i]);
-      const double vs_cpu = MaxRelError(g, c), vs_ref = MaxRelError(g, *refs[i]),
-                   cpu_vs_ref = MaxRelError(c, *refs[i]);
+      auto rel = [](const std::vector<double>& x, const std::vector<double>& ref) {
+        double err = 0.0;
+        for (size_t j = 0; j < x.size(); ++j) {
+          if (!std::isfinite(x[j])) return static_cast<double>(INFINITY);
+          err = std::max(err, std::abs(x[j] - ref[j]));
+        }
+        return err / std::max(MaxAbs(ref), kGradScaleFloor);
+      };
+      const double vs_cpu = rel(g, c), vs_ref = rel(g, *refs[i]), cpu_vs_ref = rel(c, *refs[i]);
       std::printf("%-40s %-7s gpu-cpu %.3g  gpu-ref %.3g  cpu-ref %.3g\n", CaseName(cs).c_str(),
                   names[i], vs_cpu, vs_ref, cpu_vs_ref);
-      // bf16: o is stored in bf16 and backward reads it back (kernels/smat.cc),
-      // so gbar[dv] = -(d_o . o) / den carries o's rounding (relative 2^-9)
-      // into every gradient: the op-level tolerance is o's, 2^-8. (The phase
-      // test starts backward from the CPU's fp32 o and holds 1e-5.)
-      const double tol = cs.bf16 ? kBf16OutTol : kF32Tol;
+      const double tol = !cs.bf16 ? kF32Tol : (i == 0 ? kBf16OutTol : kBf16OpGradTol);
       EXPECT_LE(vs_cpu, tol) << names[i];
       EXPECT_LE(vs_ref, tol) << names[i];
       EXPECT_GT(MaxAbs(c), 0.0) << names[i];
