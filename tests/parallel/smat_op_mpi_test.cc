@@ -3,9 +3,10 @@
 // `smat_op backward ...` to 1e-5 relative (fp32 summation order only; see
 // sequence_parallel_smat_test.cc), gated, with a partial last chunk; and a
 // sequence with fewer chunks than ranks fails with a clear message and a
-// non-zero exit.
+// non-zero exit; a stalled rank ends the job non-zero with DeadlineExceeded.
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -95,6 +96,27 @@ TEST(SmatOpUnderMpirun, FewerChunksThanRanksIsAClearError) {
                    out, &output);
   EXPECT_NE(rc, 0) << output;
   EXPECT_TRUE(absl::StrContains(output, "fewer than the 4 sequence-parallel ranks")) << output;
+  EXPECT_FALSE(std::filesystem::exists(out + "/o.npy"));
+}
+
+// A rank that stalls forever in its first collective: the other rank's
+// deadline (2 s) turns it into DeadlineExceeded, the job is aborted non-zero
+// (the stalled rank included) and nothing is written.
+TEST(SmatOpUnderMpirun, StalledRankEndsTheJobWithDeadlineExceeded) {
+  const std::string in = MakeDir("in_stall"), out = MakeDir("out_stall");
+  WriteOperands(in, 150);
+  std::string output;
+  const auto t0 = std::chrono::steady_clock::now();
+  int rc = RunCommand("SMAT_FAULT=stall_in_collective:rank=1:call=1 SMAT_COLLECTIVE_TIMEOUT_S=2 " +
+                          Mpirun(2) + SMAT_OP_BINARY + " forward --d 2 --chunk 16 --in " + in +
+                          " --out " + out, &output);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(rc, 0) << output;
+  EXPECT_TRUE(absl::StrContains(output, "rank 0: DEADLINE_EXCEEDED")) << output;
+  EXPECT_TRUE(absl::StrContains(output, "AllGather")) << output;
+  // 2 s deadline + MPI start-up and abort on 2 shared cores.
+  EXPECT_LT(seconds, 20.0) << output;
   EXPECT_FALSE(std::filesystem::exists(out + "/o.npy"));
 }
 
