@@ -35,6 +35,9 @@ struct MpiCommunicator::State {
   // kept, never freed, until the process ends (see the header).
   std::vector<MPI_Request> orphaned_requests;
   std::vector<Tensor> orphaned_buffers;
+  // The stages of orphaned collectives: they own the count and displacement
+  // arrays MPI may still read (MPI 3.1 section 5.12: valid until completion).
+  std::vector<std::shared_ptr<void>> orphaned_stages;
   // Handles in flight, in the order they were started.
   std::vector<MpiHandle*> active;
 
@@ -250,6 +253,9 @@ class MpiHandle final : public CollectiveHandle {
       request_ = MPI_REQUEST_NULL;
     }
     for (Tensor& t : buffers_) state_->orphaned_buffers.push_back(t);
+    state_->orphaned_stages.push_back(std::make_shared<std::vector<Stage>>(std::move(stages_)));
+    stages_.clear();
+    next_stage_ = 0;
     state_->MarkBroken(why);
   }
 
