@@ -22,7 +22,8 @@
 
 namespace smat {
 
-class SmatKernels;  // kernels/smat_kernels.h: the SMat-Attention phases.
+class SmatKernels;   // kernels/smat_kernels.h: the SMat-Attention phases.
+class ModelKernels;  // kernels/model_kernels.h: embedding, norms, MLP, loss.
 
 // Opaque per-backend handles.
 class Stream {
@@ -75,6 +76,11 @@ class Backend {
   // The SMat phase kernels of this device (kernels/smat_kernels.h). A backend
   // library built without them returns FailedPrecondition saying so.
   virtual absl::StatusOr<SmatKernels*> smat() = 0;
+
+  // --- model layers ----------------------------------------------------------------
+  // The model ops of this device (kernels/model_kernels.h). A backend built
+  // without them returns FailedPrecondition saying so.
+  virtual absl::StatusOr<ModelKernels*> model() = 0;
 };
 
 // The backend for `device`. CPU: always available. CUDA: loads libsmat_cuda.so

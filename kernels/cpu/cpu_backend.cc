@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/backend_checks.h"
+#include "kernels/cpu/model_kernels_cpu.h"
 #include "kernels/cpu/smat_cpu.h"
 
 namespace smat {
@@ -68,7 +69,7 @@ const float* AsFloat(const Tensor& t, std::vector<float>& scratch) {
 
 }  // namespace
 
-CpuBackend::CpuBackend() : smat_(MakeCpuSmatKernels()) {}
+CpuBackend::CpuBackend() : smat_(MakeCpuSmatKernels()), model_(MakeCpuModelKernels()) {}
 CpuBackend::~CpuBackend() = default;
 
 absl::StatusOr<std::unique_ptr<Stream>> CpuBackend::CreateStream() {
@@ -196,5 +197,7 @@ absl::Status CpuBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Ten
 }
 
 absl::StatusOr<SmatKernels*> CpuBackend::smat() { return smat_.get(); }
+
+absl::StatusOr<ModelKernels*> CpuBackend::model() { return model_.get(); }
 
 }  // namespace smat

@@ -43,9 +43,12 @@ class CpuBackend final : public Backend {
 
   // The CPU SMat phases (kernels/cpu/smat_cpu.h); always available.
   absl::StatusOr<SmatKernels*> smat() override;
+  // The CPU model ops (kernels/cpu/model_kernels_cpu.h); always available.
+  absl::StatusOr<ModelKernels*> model() override;
 
  private:
   std::unique_ptr<SmatKernels> smat_;  // complete type in the .cc (constructor, destructor)
+  std::unique_ptr<ModelKernels> model_;
 };
 
 }  // namespace smat

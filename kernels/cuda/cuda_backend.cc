@@ -352,4 +352,9 @@ absl::StatusOr<SmatKernels*> CudaBackend::smat() {
   return smat_.get();
 }
 
+absl::StatusOr<ModelKernels*> CudaBackend::model() {
+  return absl::FailedPreconditionError(
+      "model kernels are not built for CUDA yet; train with parallel.device = \"cpu\"");
+}
+
 }  // namespace smat

@@ -51,6 +51,8 @@ class CudaBackend final : public Backend {
 
   // The CUDA SMat phase kernels (kernels/cuda/smat_cuda.h), created on first use.
   absl::StatusOr<SmatKernels*> smat() override;
+  // FailedPrecondition: the model ops have no CUDA implementation yet.
+  absl::StatusOr<ModelKernels*> model() override;
 
  private:
   explicit CudaBackend(int device);

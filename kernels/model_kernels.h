@@ -1,0 +1,134 @@
+// ModelKernels: the dense operations of the language model around the SMat
+// mixer (ARCHITECTURE.md section 2, "Model ops"), forward and backward side by
+// side, behind one interface so a CUDA implementation can follow the CPU one
+// (kernels/cpu/model_kernels_cpu.h) without touching trainer/model.
+//
+// Conventions. Tensors are fp32 on the backend's device unless said otherwise;
+// token ids and targets are int32. Rows are tokens flattened over (batch,
+// span): x [N, W]. Backward functions OVERWRITE the gradient of their inputs
+// (dx) and ACCUMULATE (+=) into parameter gradients (dweight), so one gradient
+// buffer serves every layer that shares a parameter (tied embeddings) and the
+// steps of gradient accumulation. Every reduction runs in a fixed order (rows in
+// increasing index, chunks in increasing index), never with floating-point
+// atomics, so the same inputs give the same bits (ARCHITECTURE.md section 5).
+// Matrix products go through Backend::Gemm.
+//
+//   ModelKernels* mk = ...;  // backend.model()
+//   SMAT_RETURN_IF_ERROR(mk->RmsNormForward(x, w, 1e-6f, y, rstd));
+//   SMAT_RETURN_IF_ERROR(mk->RmsNormBackward(x, w, rstd, dy, dx, dw));  // dw +=
+//
+// Shapes and dtypes are validated; a mismatch is InvalidArgument naming the
+// operand.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/tensor.h"
+#include "kernels/backend.h"
+
+namespace smat {
+
+// Width of the short causal depthwise convolution on q, k, v (paper Section
+// 3.4: a width-4 token shift before the feature map).
+inline constexpr int64_t kShortConvWidth = 4;
+
+class ModelKernels {
+ public:
+  virtual ~ModelKernels() = default;
+
+  // --- embedding ----------------------------------------------------------------
+  // out[i, :] = table[ids[i], :].  table [V, W], ids int32 [N] in [0, V), out [N, W].
+  // An id outside [0, V) is InvalidArgument (it comes from data).
+  virtual absl::Status EmbeddingForward(const Tensor& table, const Tensor& ids, Tensor& out,
+                                        Stream* stream = nullptr) = 0;
+  // d_table[ids[i], :] += d_out[i, :] for i = 0, 1, ..., N-1 in that order
+  // (a scatter-add with a fixed order: deterministic). d_out [N, W].
+  virtual absl::Status EmbeddingBackward(const Tensor& ids, const Tensor& d_out, Tensor& d_table,
+                                         Stream* stream = nullptr) = 0;
+
+  // --- RMSNorm --------------------------------------------------------------------
+  // y = x * rstd * weight, rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps).
+  // x [N, W], weight [W], y [N, W], rstd [N] (saved for backward).
+  virtual absl::Status RmsNormForward(const Tensor& x, const Tensor& weight, float eps, Tensor& y,
+                                      Tensor& rstd, Stream* stream = nullptr) = 0;
+  // dx = d/dx of sum(dy * y) (overwritten), d_weight += sum_i dy[i] * x[i] * rstd[i].
+  // dx may not alias dy.
+  virtual absl::Status RmsNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                       const Tensor& dy, Tensor& dx, Tensor& d_weight,
+                                       Stream* stream = nullptr) = 0;
+
+  // --- SwiGLU ---------------------------------------------------------------------
+  // y = silu(gate) * up, silu(a) = a * sigmoid(a).  gate, up, y [N, F].
+  virtual absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y,
+                                     Stream* stream = nullptr) = 0;
+  // d_gate, d_up overwritten from dy [N, F].
+  virtual absl::Status SwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
+                                      Tensor& d_gate, Tensor& d_up, Stream* stream = nullptr) = 0;
+
+  // --- residual ---------------------------------------------------------------------
+  // out = a + b (same shape; out may alias a or b). Its backward is the identity
+  // into both inputs, so it has no kernel.
+  virtual absl::Status ResidualAdd(const Tensor& a, const Tensor& b, Tensor& out,
+                                   Stream* stream = nullptr) = 0;
+
+  // --- elementwise gates of the mixer -------------------------------------------------
+  // y = -softplus(x) (the log-decay of paper Eq. 13: logg = -softplus(w.x + b) <= 0).
+  // x, y same shape; y may alias x.
+  virtual absl::Status NegSoftplusForward(const Tensor& x, Tensor& y, Stream* stream = nullptr) = 0;
+  // dx = -sigmoid(x) * dy (overwritten; dx may alias dy).
+  virtual absl::Status NegSoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx,
+                                           Stream* stream = nullptr) = 0;
+  // y[i, h, :] = x[i, h, :] * sigmoid(g[i, h]).  x [N, H, r], g [N, H], y [N, H, r]
+  // (the key gate folded into psi; y may alias x).
+  virtual absl::Status SigmoidScaleForward(const Tensor& x, const Tensor& g, Tensor& y,
+                                           Stream* stream = nullptr) = 0;
+  // dx = sigmoid(g) dy, dg[i, h] = sigmoid'(g) sum_j x[i, h, j] dy[i, h, j]
+  // (both overwritten).
+  virtual absl::Status SigmoidScaleBackward(const Tensor& x, const Tensor& g, const Tensor& dy,
+                                            Tensor& dx, Tensor& dg, Stream* stream = nullptr) = 0;
+
+  // --- short causal depthwise convolution (width K = kShortConvWidth) ----------------
+  // y[b, t, c] = sum_{j<K} w[j, c] x[b, t - (K-1) + j, c], where rows before the
+  // span (t - (K-1) + j < 0) come from prefix[b, K-1 + (t - (K-1) + j), c]: the
+  // K-1 rows that precede the span (zeros at the start of the sequence).
+  // x [batch, L, C], prefix [batch, K-1, C], w [K, C], y [batch, L, C].
+  virtual absl::Status ShortConvForward(const Tensor& x, const Tensor& prefix, const Tensor& w,
+                                        Tensor& y, Stream* stream = nullptr) = 0;
+  // dx [batch, L, C] and d_prefix [batch, K-1, C] overwritten, d_w [K, C] +=.
+  virtual absl::Status ShortConvBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
+                                         const Tensor& dy, Tensor& dx, Tensor& d_prefix,
+                                         Tensor& d_w, Stream* stream = nullptr) = 0;
+
+  // --- fused, chunked cross-entropy ----------------------------------------------------
+  // Loss of the LM head without a [N, V] logits tensor: tokens are processed in
+  // chunks of `chunk_tokens` rows; per chunk logits = h W^T go to a
+  // [chunk_tokens, V] scratch (Backend::Gemm), then log-softmax.
+  //   h [N, W], w_head [V, W], targets int32 [N] in [0, V), weights fp32 [N]
+  //   (0: not counted; rows with weight 0 may hold any target), lse [N] (out:
+  //   log-sum-exp of each row's logits, saved for backward).
+  // *loss_sum = sum_i weights[i] * (lse[i] - logit[i, targets[i]]), accumulated in
+  // double in row order.
+  virtual absl::Status CrossEntropyForward(Backend& backend, const Tensor& h, const Tensor& w_head,
+                                           const Tensor& targets, const Tensor& weights,
+                                           int64_t chunk_tokens, Tensor& lse, double* loss_sum,
+                                           Stream* stream = nullptr) = 0;
+  // Gradient of scale * loss_sum: logits recomputed per chunk, dlogits =
+  // scale * weights[i] * (softmax - onehot(target)); dh = dlogits W (overwritten),
+  // d_w_head += dlogits^T h (chunks in order).
+  virtual absl::Status CrossEntropyBackward(Backend& backend, const Tensor& h,
+                                            const Tensor& w_head, const Tensor& targets,
+                                            const Tensor& weights, const Tensor& lse, float scale,
+                                            int64_t chunk_tokens, Tensor& dh, Tensor& d_w_head,
+                                            Stream* stream = nullptr) = 0;
+
+  // --- gradient norm ------------------------------------------------------------------
+  // sum over tensors (in the given order) of sum over elements (in order) of x^2,
+  // accumulated in double: the square of the global norm. fp32 tensors.
+  virtual absl::StatusOr<double> SumOfSquares(absl::Span<const Tensor> tensors,
+                                              Stream* stream = nullptr) = 0;
+};
+
+}  // namespace smat
