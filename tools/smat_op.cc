@@ -1,7 +1,7 @@
 // smat_op: runs one SMat-Attention operation on .npy files, for checking smat
 // against other implementations (numpy, PyTorch) and for debugging.
 //
-//   smat_op forward  --in DIR --out DIR --d 2 [--q Q] [--chunk 64] [--eps 1e-6]
+//   smat_op forward  --in DIR --out DIR --d 2 [--q Q] [--chunk 64] [--eps 0]
 //                    [--device cpu|cuda] [--dtype fp32|bf16]
 //   smat_op backward --in DIR --out DIR --d 2 ...       (also reads do.npy)
 //   smat_op decode   --in DIR --out DIR --d 2 [--window C_DC [--tmax T_MAX]]
@@ -29,7 +29,7 @@ ABSL_FLAG(std::string, out, "", "directory to write o.npy (+ dphi, dpsi, dv, dlo
 ABSL_FLAG(int32_t, d, 0, "VC dimension d >= 1 of the SMat mask (required)");
 ABSL_FLAG(int64_t, q, 0, "prime field size q; 0 picks it from T and d");
 ABSL_FLAG(int64_t, chunk, 64, "chunk width c");
-ABSL_FLAG(double, eps, 1e-6, "o = ybar[:dv] / (ybar[dv] + eps)");
+ABSL_FLAG(double, eps, 0.0, "o = ybar[:dv] / (ybar[dv] + eps) (default 0, as the op)");
 ABSL_FLAG(int64_t, window, 0, "decode: stepped-window block length c_dc (0: fixed horizon)");
 ABSL_FLAG(int64_t, tmax, 0, "decode --window: T_max the geometry is planned for (0: T of the inputs)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");

@@ -193,7 +193,7 @@ TEST(SmatOpToolTest, DecodeFixedHorizonMatchesForward) {
   SmatInputs in = WriteOperands(in_dir, 2, T, 2, 5, 3, true, nullptr, 3, false);
   in.eps = 1e-6f;
   ToolResult res = RunTool(absl::StrCat("decode --in ", in_dir, " --out ", out_dir,
-                                        " --d 2 --chunk 4"));
+                                        " --d 2 --chunk 4 --eps 1e-6"));
   ASSERT_EQ(res.rc, 0) << res.output;
   auto plan = MakeSmatPlan(T, 2, 4);
   ASSERT_TRUE(plan.ok());
@@ -219,7 +219,8 @@ TEST(SmatOpToolTest, DecodeSteppedWindowPastTmax) {
   SmatInputs in = WriteOperands(in_dir, 1, T, 2, 4, 3, true, nullptr, 4, false);
   in.eps = 1e-6f;
   ToolResult res = RunTool(absl::StrCat("decode --in ", in_dir, " --out ", out_dir,
-                                        " --d 2 --chunk 8 --window ", window, " --tmax ", T_max));
+                                        " --d 2 --chunk 8 --eps 1e-6 --window ", window, " --tmax ",
+                                        T_max));
   ASSERT_EQ(res.rc, 0) << res.output;
   auto plan = MakeSmatPlan(T_max, 2, 8);
   ASSERT_TRUE(plan.ok());
