@@ -253,15 +253,15 @@ TEST(SmatOpToolTest, Bf16OnCpuRoundsTheOperands) {
   auto cpu = CreateBackend(Device::Cpu());
   ASSERT_TRUE(cpu.ok());
 
-  ToolResult res = RunTool(absl::StrCat("forward --d 2 --chunk 4 --eps 1e-6 --dtype bf16 --in ", in_dir,
-                                        " --out ", out_dir));
+  ToolResult res = RunTool(absl::StrCat("forward --d 2 --chunk 4 --eps 1e-6 --dtype bf16",
+                                        " --in ", in_dir, " --out ", out_dir));
   ASSERT_EQ(res.rc, 0) << res.output;
   SmatForwardOutputs fwd;
   ASSERT_TRUE(SmatForward(**cpu, *plan, rounded, &fwd).ok());
   ExpectBitwiseEqual(ReadOut(out_dir + "/o.npy"), fwd.o, "bf16 forward");
 
-  res = RunTool(absl::StrCat("decode --d 2 --chunk 4 --eps 1e-6 --dtype bf16 --in ", in_dir, " --out ",
-                             out_dir));
+  res = RunTool(absl::StrCat("decode --d 2 --chunk 4 --eps 1e-6 --dtype bf16 --in ", in_dir,
+                             " --out ", out_dir));
   ASSERT_EQ(res.rc, 0) << res.output;
   auto dec = DecodeSequence(*plan, 0, rounded);
   ASSERT_TRUE(dec.ok()) << dec.status();
