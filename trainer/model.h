@@ -83,6 +83,13 @@ struct ModelInputs {
 struct LossParts {
   double loss_sum = 0.0;
   double token_count = 0.0;
+  // Exact-match accuracy of the span, for evaluation of recall tasks (MQAR):
+  // per sequence b of the batch, correct[b] = sum of loss_mask over the span's
+  // positions whose argmax logit (lowest index on ties) equals the target, and
+  // counted[b] = sum of loss_mask over the span. [batch] each; the trainer sums
+  // them over the sequence group (a sequence is fully correct when the sums agree).
+  std::vector<double> correct;
+  std::vector<double> counted;
 };
 
 class Model {
