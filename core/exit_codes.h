@@ -9,6 +9,8 @@
 //      3  retryable failure: collective deadline, peer    restart from the newest
 //         died, transport error                           intact checkpoint
 //      4  loss became NaN or inf                          stop: same data, same result
+//      5  preempted: SIGTERM, checkpoint written, exited  restart (the launcher itself
+//         (trainer/preemption.h)                          stops when it got SIGTERM)
 //
 // ExitCodeForStatus maps the absl::Status a run ends with to one of these, by
 // its code (see STYLE.md for what each status code tells the caller).
@@ -25,6 +27,7 @@ inline constexpr int kExitFailure = 1;
 inline constexpr int kExitBadInput = 2;
 inline constexpr int kExitRetryable = 3;
 inline constexpr int kExitNonFiniteLoss = 4;
+inline constexpr int kExitPreempted = 5;
 
 // No status code means "the loss was not finite", so the loss check marks its
 // status with this payload (MarkNonFiniteLoss). Annotate (core/status.h) builds
