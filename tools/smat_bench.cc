@@ -3,6 +3,8 @@
 //   smat_bench smat --device cpu --T 65536 --d 2 [--batch 1 --heads 1 --r 64 --dv 64
 //                   --chunk 64 --q 0 --gated --dtype fp32 --reps 5 --warmup 1]
 //   smat_bench smat --device cpu --sweep           # T = 16K..256K, d = 1, 2, 3
+//   mpirun -np 2 smat_bench smat --sp --device cuda --T 524288 ...   # T per rank
+//                   [--comm auto|mpi|nccl --baseline_ms MS]  (tools/smat_bench_sp.h)
 //
 // Prints the median time of the SMat op's forward and forward+backward and the
 // tokens per second; --sweep prints a Markdown table showing the cost per token
@@ -23,6 +25,7 @@
 #include "kernels/backend.h"
 #include "tools/smat_bench_cuda.h"
 #include "tools/smat_bench_smat.h"
+#include "tools/smat_bench_sp.h"
 
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(int64_t, T, 65536, "sequence length");
@@ -39,6 +42,13 @@ ABSL_FLAG(int32_t, reps, 5, "timed runs (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed runs first");
 ABSL_FLAG(bool, sweep, false, "table over T = 16K, 32K, 64K, 128K, 256K and d = 1, 2, 3");
 ABSL_FLAG(bool, backward, true, "also time forward+backward");
+ABSL_FLAG(bool, sp, false,
+          "sequence-parallel weak scaling under mpirun: --T is tokens per rank, the sequence has "
+          "(ranks x T) tokens");
+ABSL_FLAG(std::string, comm, "auto", "with --sp: auto (nccl on cuda, mpi on cpu), mpi or nccl");
+ABSL_FLAG(double, baseline_ms, 0,
+          "with --sp: forward+backward ms of the 1-rank run; prints efficiency = baseline / time");
+ABSL_FLAG(double, baseline_fwd_ms, 0, "with --sp: forward ms of the 1-rank run");
 
 namespace smat {
 namespace {
@@ -46,7 +56,9 @@ namespace {
 constexpr char kUsage[] =
     "times smat kernels.\n"
     "  smat_bench smat --device cpu --T T --d D [--batch --heads --r --dv --chunk --q --gated\n"
-    "                  --dtype fp32|bf16 --reps N --warmup N] [--sweep]";
+    "                  --dtype fp32|bf16 --reps N --warmup N] [--sweep]\n"
+    "  mpirun -np W smat_bench smat --sp --device cuda|cpu --T T_PER_RANK --d D [...]\n"
+    "                  [--comm auto|mpi|nccl --baseline_ms MS --baseline_fwd_ms MS]";
 
 absl::StatusOr<SmatBenchConfig> ConfigFromFlags() {
   SmatBenchConfig cfg;
@@ -107,6 +119,20 @@ int Main(int argc, char** argv) {
   if (!cfg.ok()) {
     std::fprintf(stderr, "smat_bench: %s\n", std::string(cfg.status().message()).c_str());
     return 2;
+  }
+  if (absl::GetFlag(FLAGS_sp)) {
+    absl::StatusOr<Device> device = ParseDevice(absl::GetFlag(FLAGS_device));
+    if (!device.ok()) {
+      std::fprintf(stderr, "smat_bench: %s\n", std::string(device.status().message()).c_str());
+      return 2;
+    }
+    SpBenchOptions sp{.T_per_rank = absl::GetFlag(FLAGS_T),
+                      .d = absl::GetFlag(FLAGS_d),
+                      .device = *device,
+                      .comm = absl::GetFlag(FLAGS_comm),
+                      .baseline_ms = absl::GetFlag(FLAGS_baseline_ms),
+                      .baseline_fwd_ms = absl::GetFlag(FLAGS_baseline_fwd_ms)};
+    return RunSmatBenchSp(*cfg, sp);
   }
   absl::Status s = RunSmatBenchmarks(*cfg);
   if (!s.ok()) {
