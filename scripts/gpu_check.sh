@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Builds the CUDA backend (libsmat_cuda.so) and the GPU tests, then runs every
-# test labelled gpu, on a host with an NVIDIA GPU. The one command to run for
-# every CUDA change:
+# Builds the CUDA backend (libsmat_cuda.so) and every test labelled gpu
+# (gpu_test, gpu_exposer_test, and nccl_communicator_test, which runs under
+# mpirun -np 2 with one GPU per rank), plus smat_bench for scripts/sp_scaling.sh,
+# then runs the gpu tests, on a host with an NVIDIA GPU. The one command to run
+# for every CUDA or NCCL change:
 #
 #   scripts/gpu_check.sh [build-dir]        (default: build-gpu)
 #
 # SMAT_REQUIRE_GPU=1 turns the tests' "no GPU, skipped" into a failure, so a
-# backend that does not load on a GPU host cannot pass as a skip. On the H200
-# test hosts (PLATFORM.md) the missing Debian packages come from .device/;
-# setup.sh is sourced when it is there.
+# backend that does not load on a GPU host cannot pass as a skip. With two or
+# more GPUs every gpu test must run: a skipped one (NCCL that did not start,
+# say) fails the check. With one GPU the 2-rank NCCL test is left out, saying
+# so. On the H200 test hosts (PLATFORM.md) the missing Debian packages come
+# from .device/; setup.sh is sourced when it is there.
 set -eo pipefail
 cd "$(dirname "$0")/.."
 build="${1:-build-gpu}"
@@ -19,8 +23,10 @@ if [ -f .device/setup.sh ]; then
 fi
 set -u
 
+gpus=0
 if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
+  gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
 else
   echo "gpu_check: nvidia-smi not found; the GPU tests will fail (SMAT_REQUIRE_GPU=1)" >&2
 fi
@@ -42,5 +48,18 @@ for prefix in ${CMAKE_PREFIX_PATH//:/ }; do
   fi
 done
 cmake -S . -B "$build" "${cmake_args[@]}"
-cmake --build "$build" -j "$(nproc)" --target smat_cuda gpu_test gpu_exposer_test
-SMAT_REQUIRE_GPU=1 ctest --test-dir "$build" -L gpu --output-on-failure
+cmake --build "$build" -j "$(nproc)" --target smat_cuda gpu_test gpu_exposer_test \
+  nccl_communicator_test smat_bench
+
+ctest_args=(-L gpu --output-on-failure)
+if [ "$gpus" -lt 2 ]; then
+  echo "gpu_check: $gpus GPU(s); nccl_communicator_test_np2 needs 2 (one per rank), not run" >&2
+  ctest_args+=(-E nccl_communicator_test)
+fi
+log="$build/gpu_check_ctest.log"
+SMAT_REQUIRE_GPU=1 ctest --test-dir "$build" "${ctest_args[@]}" 2>&1 | tee "$log"
+if [ "$gpus" -ge 2 ] && grep -q '\*\*\*Skipped' "$log"; then
+  echo "gpu_check: on a host with $gpus GPUs every gpu test must run; skipped:" >&2
+  grep '\*\*\*Skipped' "$log" >&2
+  exit 1
+fi
