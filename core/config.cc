@@ -232,8 +232,9 @@ void ValidateParallel(const ParallelConfig& p, const MetricsConfig& metrics, Che
             p.collective_timeout_seconds(), "must be at least 1");
   c.Require(p.device() == "cpu" || p.device() == "cuda", "parallel.device", Quoted(p.device()),
             "is not a device; expected \"cpu\" or \"cuda\"");
-  c.Require(metrics.port() >= 1 && metrics.port() <= 65535, "metrics.port", metrics.port(),
-            "is out of range; expected 1..65535");
+  // 0: each rank lets the kernel pick a free port (trainer/metrics.h writes it down).
+  c.Require(metrics.port() >= 0 && metrics.port() <= 65535, "metrics.port", metrics.port(),
+            "is out of range; expected 1..65535, or 0 for a free port per rank");
   if (metrics.port() >= 1 && metrics.port() <= 65535 && p.dp() >= 1 && p.sp() >= 1 &&
       int64_t{metrics.port()} + int64_t{p.dp()} * p.sp() - 1 > 65535) {
     c.Add(absl::StrCat("metrics.port = ", metrics.port(),
