@@ -13,9 +13,15 @@
 //   v_bar_s   += sum_t A[t, s] gbar_t + w_s (D_bar[k]^T psi_s)[0:dv]
 // Every product is TileAccumulate (fp32 FFMA, k in increasing order), so the
 // results are bitwise repeatable.
+//
+// These are the general kernels (any c, r, dv that fits shared memory). The
+// launchers hand sizes that fit smat_chunk_fast.cu (c <= 128, r, dv <= 64) to
+// its kernels instead, unless SMAT_CUDA_CHUNK_TILES says otherwise.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/cuda/smat_device.cuh"
 
@@ -296,6 +302,19 @@ __global__ void ChunkKeyBackwardKernel(SmatCudaDims d, int tile, const void* __r
   }
 }
 
+// Which kernels run the chunk tiles: SMAT_CUDA_CHUNK_TILES = "general" or
+// "fast" overrides kFastTilesByDefault (read on every launch, so a test can
+// compare the two in one process).
+constexpr bool kFastTilesByDefault = false;
+
+bool UseFastTiles(const SmatCudaDims& d) {
+  if (!SmatChunkFastTilesFit(d)) return false;
+  const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
+  if (env != nullptr && std::strcmp(env, "general") == 0) return false;
+  if (env != nullptr && std::strcmp(env, "fast") == 0) return true;
+  return kFastTilesByDefault;
+}
+
 template <class Kernel>
 cudaError_t Prepare(Kernel kernel, size_t smem) {
   if (smem <= 48 * 1024) return cudaSuccess;
@@ -323,6 +342,7 @@ cudaError_t LaunchSmatChunkOutputs(const SmatCudaDims& d, int tile, const void* 
                                    const void* psi, const void* v, const float* lam,
                                    const float* S_in, float* ybar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (UseFastTiles(d)) return LaunchSmatChunkOutputsFast(d, phi, psi, v, lam, S_in, ybar, stream);
   const size_t smem = sizeof(float) * SmemFloats(d, tile, ChunkKernel::kForward);
   cudaError_t err = Prepare(ChunkOutputsKernel, smem);
   if (err != cudaSuccess) return err;
@@ -339,6 +359,10 @@ cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& d, int query_tile
                                            const float* D_bar, float* phi_bar, float* psi_bar,
                                            float* v_bar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (UseFastTiles(d)) {
+    return LaunchSmatChunkOutputsBackwardFast(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
+                                              phi_bar, psi_bar, v_bar, stream);
+  }
   const size_t smem_q = sizeof(float) * SmemFloats(d, query_tile, ChunkKernel::kQueryBackward);
   cudaError_t err = Prepare(ChunkQueryBackwardKernel, smem_q);
   if (err != cudaSuccess) return err;

@@ -169,4 +169,23 @@ cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& dims, int query_t
                                            const float* D_bar, float* phi_bar, float* psi_bar,
                                            float* v_bar, cudaStream_t stream);
 
+// ---- smat_chunk_fast.cu ---------------------------------------------------------
+
+// The fast chunk tiles (one block per chunk and head, whole chunk in shared
+// memory, vectorized staging) apply when c <= 128 and r, dv <= 64; the two
+// launchers above use them then, unless the environment variable
+// SMAT_CUDA_CHUNK_TILES is "general" (the general kernels, kept as the
+// reference and for larger sizes).
+bool SmatChunkFastTilesFit(const SmatCudaDims& dims);
+int64_t SmatChunkFastTilesSmemBytes();
+cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& dims, const void* phi, const void* psi,
+                                       const void* v, const float* lam, const float* S_in,
+                                       float* ybar, cudaStream_t stream);
+cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const void* phi,
+                                               const void* psi, const void* v, const float* lam,
+                                               const float* chunk_decay, const float* S_in,
+                                               const float* gbar, const float* D_bar,
+                                               float* phi_bar, float* psi_bar, float* v_bar,
+                                               cudaStream_t stream);
+
 }  // namespace smat

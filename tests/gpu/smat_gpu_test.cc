@@ -4,7 +4,9 @@
 // every gradient under random upstream gradients, at odd sizes (T = 1, 63, 127,
 // 1000, 1031; r = 60 or small; chunks 16..128; d = 1..3), gated and not,
 // positional and content maps, whole spans and spans starting inside the
-// sequence, fp32 and bf16 inputs. Device outputs are NaN-poisoned before each
+// sequence, fp32 and bf16 inputs. SMAT_CUDA_CHUNK_TILES = fast or general
+// picks the chunk-tile kernels checked (smat_chunk.cu); run both when either
+// changes. Device outputs are NaN-poisoned before each
 // phase; accumulated (+=) outputs start from the same random values on both
 // sides; the same inputs twice give the same bits.
 //
@@ -101,6 +103,12 @@ std::vector<Case> Cases() {
   add(2, 1000, 3, 16, 9, 2, 64, true, true, 0.0, false, 64, 7);
   add(1, 1031, 2, 12, 6, 2, 32, false, false, 0.0, false, 320, 8);
   add(1, 1000, 2, 20, 8, 3, 64, false, true, 0.0, true, 0, 9);
+  // The fast chunk tiles (smat_chunk_fast.cu: c <= 128, r, dv <= 64) at the
+  // benchmark's r = dv = 64 and c = 128 with a partial last chunk: fp32 over
+  // several heads and batches from a span inside the sequence, and bf16 with
+  // widths that fill only part of a 16-byte staging slot (24 = 3 x 8, 16).
+  add(2, 1031, 3, 64, 64, 2, 128, false, false, 0.0, false, 128, 10);
+  add(1, 700, 2, 24, 16, 1, 128, true, false, 0.0, true, 0, 11);
   return cs;
 }
 

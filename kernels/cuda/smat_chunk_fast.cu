@@ -1,0 +1,435 @@
+// Chunk-local tiles of CUDA SMat-Attention, the fast path: F6 (eq. 10 gated by
+// Lemma 4) and its adjoint B7 (eq. 19 of Appendix E) with one block of 256
+// threads per (chunk, b * H) and the whole chunk (c <= 128 tokens, r and
+// dv <= 64) staged once in shared memory. smat_chunk.cu holds the general
+// kernels (any c, r, dv) and picks this path when the sizes fit.
+//
+// Every tile here has the same shape, so one kernel template serves all four:
+//   X[row][col] = gate * (P[:, row] . Q[:, col]), masked to s <= t   (score)
+//   side[m][n]  = sum_i Q[i][m] F[i][n]                              (chunk state)
+//   main[m][n]  = sum_k X[k][m] R[k][n]                              (tile product)
+//   out[m][n]  (+)= main[m][n] + w[m] side[m][n]
+// with (t = query token, s = key token, K1 = r or p):
+//   kind      P [K1][c]  Q [K1][c]  X       F [K1][64]  R [c][64]   out
+//   forward   psi^T      phi^T      A^T     S_in        v           ybar (= ; col dv = den)
+//   query     vbar^T     gbar^T     G^T     S_in^T      psi         phi_bar (+=)
+//   key psi   gbar^T     vbar^T     G       D_bar^T     phi         psi_bar (+=)
+//   key v     phi^T      psi^T      A       D_bar       gbar[:dv]   v_bar (+=)
+// so the score tile is computed directly in the k-major orientation the tile
+// product reads, and the only transposes happen once, while staging.
+//
+// Speed: tiles are staged with 16-byte loads where rows allow it and with no
+// division per element; every product is a register-blocked fp32 FFMA loop
+// whose operands are 16-byte shared-memory loads (a thread owns 8 rows x 4 or
+// 8 columns; the row operand is a broadcast), the causal half of the score
+// tile and of the tile product is skipped per warp, and the score tile reuses
+// the staging buffers of P and Q. Exactness: fp32 FFMA throughout (no TF32, no
+// bf16 rounding of fp32 operands), each output element summed in a fixed
+// order, no atomics: fp32 inputs stay within 1e-5 of the CPU phases and every
+// run gives the same bits.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/smat_device.cuh"
+
+namespace smat {
+namespace {
+
+using cuda_detail::ChunkRow;
+using cuda_detail::TokenRow;
+
+constexpr int kThreads = 256;
+constexpr int kC = 128;      // chunk tokens held (rows of every token tile)
+constexpr int kW = 64;       // widest r or dv
+constexpr int kK1 = kW + 1;  // widest inner size of a score tile: p = dv + 1
+constexpr int kLdF = 68;     // F rows: 16-byte aligned, 4-way conflicts when staged transposed
+
+// Shared memory (floats): P and Q [kK1][kC] each (X [kC][kC] overlays them
+// once the score tile is in registers), R [kC][kW], F [kK1][kLdF], then lam,
+// w, two [2][kC] partial-sum arrays and the state column of the forward den.
+constexpr int kOffQ = kK1 * kC;
+constexpr int kOffR = 2 * kK1 * kC;
+constexpr int kOffF = kOffR + kC * kW;
+constexpr int kOffLam = kOffF + kK1 * kLdF;
+constexpr int kOffW = kOffLam + kC;
+constexpr int kOffPart = kOffW + kC;
+constexpr int kOffPart2 = kOffPart + 2 * kC;
+constexpr int kOffScol = kOffPart2 + 2 * kC;
+constexpr int kSmemFloats = kOffScol + kW;
+static_assert(kC * kC <= 2 * kK1 * kC, "the score tile must fit over P and Q");
+
+enum class Kind { kForward, kQuery, kKeyPsi, kKeyV };
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// 16 bytes of a row: 4 floats or 8 bf16, widened exactly to fp32.
+__device__ __forceinline__ void LoadVec(const float* src, float (&o)[4]) {
+  const float4 x = __ldg(reinterpret_cast<const float4*>(src));
+  o[0] = x.x;
+  o[1] = x.y;
+  o[2] = x.z;
+  o[3] = x.w;
+}
+__device__ __forceinline__ void LoadVec(const __nv_bfloat16* src, float (&o)[8]) {
+  const uint4 x = __ldg(reinterpret_cast<const uint4*>(src));
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+
+// Token rows of one (chunk, b, h): element (t, j) at base[t * stride + j].
+template <typename T>
+struct TokenTile {
+  const T* base;
+  int64_t stride;
+  int width;
+};
+
+template <typename T>
+__device__ __forceinline__ TokenTile<T> Tile(const SmatCudaDims& d, const T* src, int width, int b,
+                                             int h, int64_t c0) {
+  return {src + TokenRow(d, b, c0, h) * width, static_cast<int64_t>(d.H) * width, width};
+}
+
+// dst[i][t] (ld kC) = src[t][i] for i < width, 1 in row `width` when
+// K1 > width (the ones of vbar), 0 for t >= ce. Threads walk t fastest, so the
+// shared-memory stores of a warp hit 32 different banks.
+template <typename T>
+__device__ void StageTransposed(const TokenTile<T>& src, int ce, int K1, bool vec, float* dst) {
+  constexpr int V = 16 / sizeof(T);
+  if (vec) {
+    const int nq = src.width / V;
+    for (int e = threadIdx.x; e < kC * nq; e += kThreads) {
+      const int t = e & (kC - 1), q = e >> 7;
+      float x[V];
+      if (t < ce) {
+        LoadVec(src.base + t * src.stride + q * V, x);
+      } else {
+#pragma unroll
+        for (int u = 0; u < V; ++u) x[u] = 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < V; ++u) dst[(q * V + u) * kC + t] = x[u];
+    }
+  } else {
+    for (int e = threadIdx.x; e < kC * src.width; e += kThreads) {
+      const int t = e & (kC - 1), i = e >> 7;
+      dst[i * kC + t] = t < ce ? ToF(src.base[t * src.stride + i]) : 0.f;
+    }
+  }
+  for (int e = threadIdx.x; e < kC * (K1 - src.width); e += kThreads) {
+    const int t = e & (kC - 1), i = src.width + (e >> 7);
+    dst[i * kC + t] = t < ce && i == src.width ? 1.f : 0.f;
+  }
+}
+
+// dst[t][j] (ld kW) = src[t][j] for t < ce, j < ncols; 0 elsewhere in the
+// first ce rows (rows >= ce are never read). `vec` requires ncols == width.
+template <typename T>
+__device__ void StageRows(const TokenTile<T>& src, int ce, int ncols, bool vec, float* dst) {
+  constexpr int V = 16 / sizeof(T);
+  constexpr int kSlots = kW / V;  // 16-byte slots per staged row
+  if (vec) {
+    const int nq = ncols / V;
+    for (int e = threadIdx.x; e < ce * kSlots; e += kThreads) {
+      const int t = e / kSlots, q = e % kSlots;  // kSlots is a power of two
+      float x[V];
+      if (q < nq) {
+        LoadVec(src.base + t * src.stride + q * V, x);
+      } else {
+#pragma unroll
+        for (int u = 0; u < V; ++u) x[u] = 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < V; u += 4)
+        *reinterpret_cast<float4*>(&dst[t * kW + q * V + u]) =
+            make_float4(x[u], x[u + 1], x[u + 2], x[u + 3]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < ce * kW; e += kThreads) {
+      const int t = e >> 6, j = e & (kW - 1);
+      dst[e] = j < ncols ? ToF(src.base[t * src.stride + j]) : 0.f;
+    }
+  }
+}
+
+// F from the chunk's r x p fp32 matrix M: transposed, F[i][n] = M[n][i]
+// (i < p, n < r); else F[i][n] = M[i][n] (i < r, n < ncols). Zero elsewhere.
+__device__ void StageChunkMatrix(const float* M, int r, int p, int ncols, bool transposed,
+                                 float* F) {
+  if (transposed) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int n = warp; n < kW; n += kThreads / 32)
+      for (int i = lane; i < kK1; i += 32)
+        F[i * kLdF + n] = n < r && i < p ? __ldg(&M[n * p + i]) : 0.f;
+  } else {
+    for (int e = threadIdx.x; e < kW * kW; e += kThreads) {
+      const int i = e >> 6, n = e & (kW - 1);
+      F[i * kLdF + n] = i < r && n < ncols ? __ldg(&M[i * p + n]) : 0.f;
+    }
+  }
+}
+
+// acc[i][4 h + j] += sum_{k in [k0, k1)} A[k][m0 + i] B[k][n0 + 64 h + j] for the
+// column halves h with (kLo, kHi) set; A, B k-major with leading dims lda, ldb.
+template <bool kLo, bool kHi, int kN>
+__device__ __forceinline__ void Gemm(float (&acc)[8][kN], const float* A, int lda, int m0,
+                                     const float* B, int ldb, int n0, int k0, int k1) {
+#pragma unroll 2
+  for (int k = k0; k < k1; ++k) {
+    const float4 a0 = *reinterpret_cast<const float4*>(&A[k * lda + m0]);
+    const float4 a1 = *reinterpret_cast<const float4*>(&A[k * lda + m0 + 4]);
+    const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+    for (int h = 0; h < kN / 4; ++h) {
+      if ((h == 0 && !kLo) || (h == 1 && !kHi)) continue;
+      const float4 b = *reinterpret_cast<const float4*>(&B[k * ldb + n0 + 64 * h]);
+      const float bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][4 * h + j] = fmaf(av[i], bv[j], acc[i][4 * h + j]);
+    }
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void Zero(float (&acc)[8][kN]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < kN; ++j) acc[i][j] = 0.f;
+}
+
+// grid (Lc, batch * H), 256 threads, kSmemFloats floats of shared memory.
+// vec_in: phi, psi, v rows can be read 16 bytes at a time.
+template <Kind kKind, typename In>
+__global__ void __launch_bounds__(kThreads, 1)
+    ChunkTileKernel(SmatCudaDims d, bool vec_in, const In* __restrict__ phi,
+                    const In* __restrict__ psi, const In* __restrict__ v,
+                    const float* __restrict__ gbar, const float* __restrict__ lam,
+                    const float* __restrict__ cd, const float* __restrict__ M,
+                    float* __restrict__ out) {
+  constexpr bool kRowsAreKeys = kKind == Kind::kForward || kKind == Kind::kQuery;
+  constexpr bool kScoresGv = kKind == Kind::kQuery || kKind == Kind::kKeyPsi;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  float* P = sm;
+  float* Q = sm + kOffQ;
+  float* X = sm;  // over P and Q once they are no longer read
+  float* R = sm + kOffR;
+  float* F = sm + kOffF;
+  float* lam_t = sm + kOffLam;
+  float* w = sm + kOffW;
+  float* part = sm + kOffPart;
+  float* part2 = sm + kOffPart2;
+  float* scol = sm + kOffScol;
+
+  const int tid = threadIdx.x;
+  const int64_t k = blockIdx.x;
+  const int b = blockIdx.y / d.H, h = blockIdx.y % d.H;
+  const int64_t c0 = k * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
+  const int r = d.r, dv = d.dv, p = d.p;
+  const int K1 = kScoresGv ? p : r;
+  const int64_t crow = ChunkRow(d, b, k, h);
+  const float* Mk = M + crow * static_cast<int64_t>(r) * p;
+
+  // ---- staging ----
+  const TokenTile<In> tphi = Tile(d, phi, r, b, h, c0), tpsi = Tile(d, psi, r, b, h, c0),
+                      tv = Tile(d, v, dv, b, h, c0);
+  const TokenTile<float> tg = Tile(d, gbar, p, b, h, c0);
+  if constexpr (kKind == Kind::kForward) {
+    StageTransposed(tpsi, ce, K1, vec_in, P);
+    StageTransposed(tphi, ce, K1, vec_in, Q);
+    StageRows(tv, ce, dv, vec_in, R);
+    StageChunkMatrix(Mk, r, p, dv, false, F);
+    for (int j = tid; j < kW; j += kThreads) scol[j] = j < r ? __ldg(&Mk[j * p + dv]) : 0.f;
+  } else if constexpr (kKind == Kind::kQuery) {
+    StageTransposed(tv, ce, K1, vec_in, P);
+    StageTransposed(tg, ce, K1, false, Q);
+    StageRows(tpsi, ce, r, vec_in, R);
+    StageChunkMatrix(Mk, r, p, r, true, F);
+  } else if constexpr (kKind == Kind::kKeyPsi) {
+    StageTransposed(tg, ce, K1, false, P);
+    StageTransposed(tv, ce, K1, vec_in, Q);
+    StageRows(tphi, ce, r, vec_in, R);
+    StageChunkMatrix(Mk, r, p, r, true, F);
+  } else {
+    StageTransposed(tphi, ce, K1, vec_in, P);
+    StageTransposed(tpsi, ce, K1, vec_in, Q);
+    StageRows(tg, ce, dv, false, R);
+    StageChunkMatrix(Mk, r, p, dv, false, F);
+  }
+  if (tid < kC) {
+    const float l = lam != nullptr && tid < ce ? lam[TokenRow(d, b, c0 + tid, h)] : 0.f;
+    lam_t[tid] = l;
+    // Query side exp(lam_t), key side exp(chunk_decay - lam_s) (Lemma 4).
+    w[tid] = lam == nullptr ? 1.f : (kRowsAreKeys ? expf(l) : expf(cd[crow] - l));
+  }
+  __syncthreads();
+
+  const int ty = tid >> 4, tx = tid & 15, warp = tid >> 5;
+  const int m0 = ty * 8, n0 = tx * 4;
+
+  // ---- chunk-state product, before Q is overwritten ----
+  float side[8][4];
+  Zero(side);
+  Gemm<true, false>(side, Q, kC, m0, F, kLdF, n0, 0, K1);
+  if constexpr (kKind == Kind::kForward) {
+    // den column: phi_t . S_in[:, dv], in two halves of r summed in order.
+    const int t = tid & (kC - 1), half = tid >> 7;
+    const int jh = (r + 1) / 2, j0 = half * jh, j1 = min(r, j0 + jh);
+    float acc = 0.f;
+    for (int j = j0; j < j1; ++j) acc = fmaf(Q[j * kC + t], scol[j], acc);
+    part[half * kC + t] = acc;
+  }
+
+  // ---- score tile: rows [16 warp, 16 warp + 16), columns in two halves ----
+  float x[8][8];
+  Zero(x);
+  const int wr0 = 16 * warp;
+  // Rows are keys s (columns t >= s matter): the low column half is dead for
+  // warps whose first row is >= 64. Rows are queries t (columns s <= t): the
+  // high half is dead for warps whose last row is < 64.
+  if (kRowsAreKeys && wr0 >= kC / 2) {
+    Gemm<false, true>(x, P, kC, m0, Q, kC, n0, 0, K1);
+  } else if (!kRowsAreKeys && wr0 + 15 < kC / 2) {
+    Gemm<true, false>(x, P, kC, m0, Q, kC, n0, 0, K1);
+  } else {
+    Gemm<true, true>(x, P, kC, m0, Q, kC, n0, 0, K1);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int row = m0 + i, col = n0 + 64 * (j >> 2) + (j & 3);
+      const int s = kRowsAreKeys ? row : col, t = kRowsAreKeys ? col : row;
+      const float g = lam != nullptr ? expf(lam_t[t] - lam_t[s]) : 1.f;
+      x[i][j] = s <= t ? x[i][j] * g : 0.f;
+    }
+  __syncthreads();  // every read of P and Q is done
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      *reinterpret_cast<float4*>(&X[(m0 + i) * kC + n0 + 64 * hh]) =
+          make_float4(x[i][4 * hh], x[i][4 * hh + 1], x[i][4 * hh + 2], x[i][4 * hh + 3]);
+  __syncthreads();
+
+  if constexpr (kKind == Kind::kForward) {
+    // den column: sum_s A[t, s], in two halves of s summed in order.
+    const int t = tid & (kC - 1), half = tid >> 7;
+    float acc = 0.f;
+    for (int s = half * (kC / 2); s < (half + 1) * (kC / 2); ++s) acc += X[s * kC + t];
+    part2[half * kC + t] = acc;
+  }
+
+  // ---- tile product: out rows m (X columns), k over the live X rows ----
+  float acc[8][4];
+  Zero(acc);
+  int k0 = 0, k1 = ce;
+  if (kRowsAreKeys) {
+    k1 = min(ce, wr0 + 16);  // keys s <= t, t < wr0 + 16
+  } else {
+    k0 = wr0;  // queries t >= s
+  }
+  Gemm<true, false>(acc, X, kC, m0, R, kW, n0, k0, k1);
+
+  // ---- outputs ----
+  const int width = kKind == Kind::kForward || kKind == Kind::kKeyV ? dv : r;
+  const int ld_out = kKind == Kind::kForward ? p : width;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int m = m0 + i;
+    if (m >= ce) continue;
+    float* o = out + TokenRow(d, b, c0 + m, h) * ld_out;
+    const float wm = w[m];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n = n0 + j;
+      if (n >= width) continue;
+      const float val = fmaf(wm, side[i][j], acc[i][j]);
+      if constexpr (kKind == Kind::kForward) {
+        o[n] = val;
+      } else {
+        o[n] += val;
+      }
+    }
+  }
+  if constexpr (kKind == Kind::kForward) {
+    __syncthreads();
+    for (int t = tid; t < ce; t += kThreads) {
+      out[TokenRow(d, b, c0 + t, h) * p + dv] =
+          fmaf(w[t], part[t] + part[kC + t], part2[t] + part2[kC + t]);
+    }
+  }
+}
+
+bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+template <Kind kKind, typename In>
+cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
+                       const float* gbar, const float* lam, const float* cd, const float* M,
+                       float* out, cudaStream_t stream) {
+  constexpr size_t kSmem = sizeof(float) * kSmemFloats;
+  auto kernel = ChunkTileKernel<kKind, In>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  constexpr int V = 16 / sizeof(In);
+  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(phi) && Aligned16(psi) &&
+                   Aligned16(v);
+  const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
+  kernel<<<grid, kThreads, kSmem, stream>>>(d, vec, static_cast<const In*>(phi),
+                                            static_cast<const In*>(psi),
+                                            static_cast<const In*>(v), gbar, lam, cd, M, out);
+  return cudaGetLastError();
+}
+
+template <Kind kKind>
+cudaError_t LaunchAny(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
+                      const float* gbar, const float* lam, const float* cd, const float* M,
+                      float* out, cudaStream_t stream) {
+  return d.bf16 ? LaunchKind<kKind, __nv_bfloat16>(d, phi, psi, v, gbar, lam, cd, M, out, stream)
+                : LaunchKind<kKind, float>(d, phi, psi, v, gbar, lam, cd, M, out, stream);
+}
+
+}  // namespace
+
+bool SmatChunkFastTilesFit(const SmatCudaDims& d) {
+  return d.chunk <= kC && d.r <= kW && d.dv <= kW;
+}
+
+int64_t SmatChunkFastTilesSmemBytes() { return sizeof(float) * kSmemFloats; }
+
+cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& d, const void* phi, const void* psi,
+                                       const void* v, const float* lam, const float* S_in,
+                                       float* ybar, cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  return LaunchAny<Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr, S_in, ybar, stream);
+}
+
+cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& d, const void* phi,
+                                               const void* psi, const void* v, const float* lam,
+                                               const float* chunk_decay, const float* S_in,
+                                               const float* gbar, const float* D_bar,
+                                               float* phi_bar, float* psi_bar, float* v_bar,
+                                               cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  cudaError_t err = LaunchAny<Kind::kQuery>(d, phi, psi, v, gbar, lam, chunk_decay, S_in,
+                                            phi_bar, stream);
+  if (err != cudaSuccess) return err;
+  err = LaunchAny<Kind::kKeyPsi>(d, phi, psi, v, gbar, lam, chunk_decay, D_bar, psi_bar, stream);
+  if (err != cudaSuccess) return err;
+  return LaunchAny<Kind::kKeyV>(d, phi, psi, v, gbar, lam, chunk_decay, D_bar, v_bar, stream);
+}
+
+}  // namespace smat
