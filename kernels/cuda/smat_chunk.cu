@@ -305,7 +305,7 @@ __global__ void ChunkKeyBackwardKernel(SmatCudaDims d, int tile, const void* __r
 // Which kernels run the chunk tiles: SMAT_CUDA_CHUNK_TILES = "general" or
 // "fast" overrides kFastTilesByDefault (read on every launch, so a test can
 // compare the two in one process).
-constexpr bool kFastTilesByDefault = false;
+constexpr bool kFastTilesByDefault = true;
 
 bool UseFastTiles(const SmatCudaDims& d) {
   if (!SmatChunkFastTilesFit(d)) return false;
