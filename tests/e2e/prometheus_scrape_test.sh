@@ -176,6 +176,20 @@ for r in 0 1; do
     fail "smat_step of rank $r did not increase ($first -> $now)"
   echo "ok: smat_step of rank $r increased ($first -> $now)"
 done
+# A checkpoint with its size was recorded by both ranks (probe: step 5;
+# train: pass --set checkpoint.every_steps=N with 2N steps well before the
+# end, since an asynchronous save reports the bytes of the newest *committed*
+# shard, which is the previous save's).
+for _ in $(seq 120); do  # 60 s
+  [[ "$(query "count(smat_checkpoint_bytes{job=\"$job\"} > 0)")" == 2 ]] && break
+  kill -0 "$job_pid" 2>/dev/null || fail "the job ended before both ranks reported a checkpoint"
+  sleep 0.5
+done
+expect_value "count(smat_last_checkpoint_timestamp_seconds{job=\"$job\"} > 1.7e9)" 2
+expect_value "count(smat_checkpoint_bytes{job=\"$job\"} > 0)" 2
+expect_value "count(smat_comm_bytes_total{job=\"$job\",op=\"all_reduce\"} > 0)" 2
+expect_value "count(smat_device_memory_bytes{job=\"$job\"} > 0)" 2
+expect_value "count(smat_loss{job=\"$job\"} > 0 < 100)" 2
 if [[ "$mode" == probe ]]; then
   # The probe's ranks process 1024 and 2048 tokens a step: rank labels must
   # not be swapped or merged.
