@@ -1,0 +1,252 @@
+// smat_launch: runs a smat_train job through mpirun and brings it back after a
+// failure, from its newest intact checkpoint (docs/FAULT_TOLERANCE.md).
+//
+//   smat_launch --np 8 --hosts a:4,b:4 --config configs/lm_1m_gpu.textproto
+//       --set run.steps=20000 -x NCCL_DEBUG --max_restarts 5 --backoff 10
+//   smat_launch --hostfile hosts.txt --config c.textproto --dry_run
+//
+// Flags (GNU style: "--flag value" or "--flag=value"; --set and -x repeat):
+//   --np N             ranks (default: the slots of --hosts / --hostfile, else 1)
+//   --hosts LIST       a:4,b:4 (mpirun --host)      --hostfile FILE (mpirun --hostfile)
+//   --config FILE      the run's config (required; checked before mpirun starts)
+//   --set PATH=VALUE   config override, forwarded to smat_train
+//   -x VAR[=VALUE]     environment variable exported to every rank (mpirun -x)
+//   --max_restarts N   restarts after failures before giving up (default 3)
+//   --backoff S        seconds before the first restart, doubled each time (default 10)
+//   --backoff_max S    cap of the backoff (default 300)
+//   --log_dir DIR      attempt_N.log per attempt and summary.txt (default run.dir/launch)
+//   --mpirun PATH      mpirun to use (default "mpirun" from PATH)
+//   --mpirun_arg ARG   extra argument for mpirun (repeatable), e.g. --oversubscribe
+//   --train PATH       smat_train (default: next to smat_launch)
+//   --dry_run          print the first attempt's mpirun command and exit
+// Flags are parsed by hand rather than with absl flags because --set and -x
+// repeat (absl's list flags split on commas and do not accumulate).
+//
+// Exit code: 0 when the job finished; the job's code when it stopped for a
+// reason a restart cannot cure (2 bad input, 4 NaN loss); 3 after giving up;
+// 5 when stopped by SIGTERM/SIGINT; 2 for bad launcher flags or config.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/config.h"
+#include "core/exit_codes.h"
+#include "core/status.h"
+#include "launcher/mpirun_command.h"
+#include "launcher/supervisor.h"
+
+namespace smat {
+namespace {
+
+std::atomic<int> stop_signal{0};
+void OnStopSignal(int sig) { stop_signal.store(sig); }
+
+struct Flags {
+  int np = 0;
+  std::string hosts, hostfile, config, log_dir, mpirun = "mpirun", train;
+  std::vector<std::string> sets, exports, mpirun_args;
+  int max_restarts = 3;
+  double backoff = 10, backoff_max = 300;
+  bool dry_run = false;
+};
+
+constexpr char kUsage[] =
+    "usage: smat_launch --config FILE [--np N] [--hosts a:4,b:4 | --hostfile FILE]\n"
+    "         [--set PATH=VALUE]... [-x VAR[=VALUE]]... [--max_restarts N] [--backoff S]\n"
+    "         [--backoff_max S] [--log_dir DIR] [--mpirun PATH] [--mpirun_arg ARG]...\n"
+    "         [--train PATH] [--dry_run]\n";
+
+absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::string value;
+    bool has_value = false;
+    if (absl::StartsWith(arg, "--") && arg.find('=') != std::string::npos) {
+      value = arg.substr(arg.find('=') + 1);
+      arg = arg.substr(0, arg.find('='));
+      has_value = true;
+    }
+    auto take = [&]() -> absl::StatusOr<std::string> {
+      if (has_value) return value;
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(arg, " needs a value"));
+      return std::string(argv[++i]);
+    };
+    auto take_int = [&](int* out) -> absl::Status {
+      SMAT_ASSIGN_OR_RETURN(std::string v, take());
+      if (!absl::SimpleAtoi(v, out) || *out < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(arg, " ", v, ": expected an integer >= 0"));
+      }
+      return absl::OkStatus();
+    };
+    auto take_double = [&](double* out) -> absl::Status {
+      SMAT_ASSIGN_OR_RETURN(std::string v, take());
+      if (!absl::SimpleAtod(v, out) || *out < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(arg, " ", v, ": expected seconds >= 0"));
+      }
+      return absl::OkStatus();
+    };
+    if (arg == "--np") {
+      SMAT_RETURN_IF_ERROR(take_int(&f.np));
+    } else if (arg == "--hosts") {
+      SMAT_ASSIGN_OR_RETURN(f.hosts, take());
+    } else if (arg == "--hostfile") {
+      SMAT_ASSIGN_OR_RETURN(f.hostfile, take());
+    } else if (arg == "--config") {
+      SMAT_ASSIGN_OR_RETURN(f.config, take());
+    } else if (arg == "--set") {
+      SMAT_ASSIGN_OR_RETURN(std::string s, take());
+      f.sets.push_back(s);
+    } else if (arg == "-x") {
+      SMAT_ASSIGN_OR_RETURN(std::string x, take());
+      f.exports.push_back(x);
+    } else if (arg == "--mpirun_arg") {
+      SMAT_ASSIGN_OR_RETURN(std::string a, take());
+      f.mpirun_args.push_back(a);
+    } else if (arg == "--max_restarts") {
+      SMAT_RETURN_IF_ERROR(take_int(&f.max_restarts));
+    } else if (arg == "--backoff") {
+      SMAT_RETURN_IF_ERROR(take_double(&f.backoff));
+    } else if (arg == "--backoff_max") {
+      SMAT_RETURN_IF_ERROR(take_double(&f.backoff_max));
+    } else if (arg == "--log_dir") {
+      SMAT_ASSIGN_OR_RETURN(f.log_dir, take());
+    } else if (arg == "--mpirun") {
+      SMAT_ASSIGN_OR_RETURN(f.mpirun, take());
+    } else if (arg == "--train") {
+      SMAT_ASSIGN_OR_RETURN(f.train, take());
+    } else if (arg == "--dry_run") {
+      f.dry_run = !has_value || value == "true" || value == "1";
+    } else if (arg == "--help" || arg == "-h") {
+      return absl::InvalidArgumentError("");
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown argument '", argv[i], "'"));
+    }
+  }
+  if (f.config.empty()) return absl::InvalidArgumentError("--config is required");
+  if (!f.hosts.empty() && !f.hostfile.empty()) {
+    return absl::InvalidArgumentError("give --hosts or --hostfile, not both");
+  }
+  return f;
+}
+
+// smat_train beside this executable (both are built into one folder).
+std::string DefaultTrainPath() {
+  char self[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return "smat_train";
+  std::string path(self, n);
+  return path.substr(0, path.rfind('/') + 1) + "smat_train";
+}
+
+absl::Status MakeDirectories(const std::string& path) {
+  std::string prefix;
+  for (absl::string_view part : absl::StrSplit(path, '/')) {
+    prefix += prefix.empty() && path[0] != '/' ? std::string(part) : absl::StrCat("/", part);
+    if (part.empty()) continue;
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::UnavailableError(
+          absl::StrCat("--log_dir: cannot create '", prefix, "': ", std::strerror(errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Builds the job from the flags and the config; kInvalidArgument/kNotFound
+// for anything the user must fix.
+absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
+  SMAT_ASSIGN_OR_RETURN(TrainConfig config, LoadConfig(f.config, f.sets));
+  SupervisorOptions o;
+  JobCommand& job = o.job;
+  job.mpirun = f.mpirun;
+  job.hosts = f.hosts;
+  job.hostfile = f.hostfile;
+  job.exports = f.exports;
+  job.mpirun_args = f.mpirun_args;
+  job.train = f.train.empty() ? DefaultTrainPath() : f.train;
+  job.config = f.config;
+  job.sets = f.sets;
+  int slots = 0;
+  if (!f.hosts.empty()) {
+    SMAT_ASSIGN_OR_RETURN(std::vector<HostSlots> hosts, ParseHostList(f.hosts));
+    slots = TotalSlots(hosts);
+  } else if (!f.hostfile.empty()) {
+    SMAT_ASSIGN_OR_RETURN(std::vector<HostSlots> hosts, ReadHostfile(f.hostfile));
+    slots = TotalSlots(hosts);
+  }
+  job.np = f.np > 0 ? f.np : (slots > 0 ? slots : 1);
+  if (slots > 0 && job.np > slots) {
+    return absl::InvalidArgumentError(absl::StrCat("--np ", job.np, " exceeds the ", slots,
+                                                   " slots of the hosts given"));
+  }
+  const int grid = config.parallel().dp() * config.parallel().sp();
+  if (grid != job.np) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--np ", job.np, " but the config's grid is parallel.dp x sp = ", config.parallel().dp(),
+        " x ", config.parallel().sp(), " = ", grid, ": change --np or --set parallel.dp=..."));
+  }
+  o.max_restarts = f.max_restarts;
+  o.backoff_seconds = f.backoff;
+  o.backoff_max_seconds = f.backoff_max;
+  o.log_dir = f.log_dir.empty() ? config.run().dir() + "/launch" : f.log_dir;
+  o.checkpoint_dir = config.checkpoint().dir();
+  return o;
+}
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<Flags> flags = ParseFlags(argc, argv);
+  if (!flags.ok()) {
+    if (!flags.status().message().empty()) {
+      std::fprintf(stderr, "smat_launch: %s\n", std::string(flags.status().message()).c_str());
+    }
+    std::fputs(kUsage, stderr);
+    return kExitBadInput;
+  }
+  absl::StatusOr<SupervisorOptions> options = Prepare(*flags);
+  if (!options.ok()) {
+    std::fprintf(stderr, "smat_launch: %s\n", std::string(options.status().message()).c_str());
+    return ExitCodeForStatus(options.status());
+  }
+  if (flags->dry_run) {
+    std::printf("%s\n", ShellJoin(MpirunArgv(options->job, 0)).c_str());
+    return kExitOk;
+  }
+  if (absl::Status s = MakeDirectories(options->log_dir); !s.ok()) {
+    std::fprintf(stderr, "smat_launch: %s\n", std::string(s.message()).c_str());
+    return kExitBadInput;
+  }
+  // No SA_RESTART: a signal interrupts the supervisor's waits, which then
+  // forward it at once.
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof(sa));
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+
+  Supervisor supervisor(*options, &stop_signal);
+  const int code = supervisor.Run();
+  const std::string summary = supervisor.Summary();
+  std::fputs(summary.c_str(), stderr);
+  std::ofstream(options->log_dir + "/summary.txt") << summary;
+  return code;
+}
+
+}  // namespace
+}  // namespace smat
+
+int main(int argc, char** argv) { return smat::Main(argc, argv); }
