@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,8 @@ struct GradCase {
   std::string name;
   TinyModelOptions options;
 };
+
+void PrintTo(const GradCase& c, std::ostream* os) { *os << c.name; }
 
 class ModelGradientTest : public ::testing::TestWithParam<GradCase> {};
 
