@@ -87,11 +87,14 @@ for attempt in 1 2 3 4 5; do
     --web.listen-address="127.0.0.1:$port" --log.level=warn >"$tmp/prometheus.log" 2>&1 &
   prom_pid=$!
   for _ in $(seq 100); do  # 20 s
+    kill -0 "$prom_pid" 2>/dev/null || break
     if curl -sf --noproxy '*' --max-time 2 "http://127.0.0.1:$port/-/ready" >/dev/null; then
-      prom_port=$port
+      # Ready, and still ours: a server already on that port would answer
+      # while this one exits for want of the port.
+      sleep 0.5
+      kill -0 "$prom_pid" 2>/dev/null && prom_port=$port
       break
     fi
-    kill -0 "$prom_pid" 2>/dev/null || break
     sleep 0.2
   done
   [[ -n "$prom_port" ]] && break
