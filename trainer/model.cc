@@ -420,6 +420,34 @@ absl::StatusOr<LossParts> Model::Forward(Communicator& sequence, const ModelInpu
       std::max<int64_t>(1, kLossScratchFloats / V), im.lse, &parts.loss_sum));
   const float* w = im.weights.data<float>();
   for (int64_t i = 0; i < N; ++i) parts.token_count += w[i];
+  // Exact-match counts (LossParts::correct / counted) for recall tasks, whose
+  // loss rows are a few answer positions per sequence: their logits are
+  // recomputed here on the host (P rows x V x W per sequence, negligible next
+  // to the forward). TEXT counts every row, so it skips this.
+  if (config_.data().kind() != DataConfig::TEXT && im.n_final.device().is_cpu() &&
+      im.head->value.device().is_cpu()) {
+    const int64_t L = N / nb;
+    parts.correct.assign(nb, 0.0);
+    parts.counted.assign(nb, 0.0);
+    const float* h = im.n_final.data<float>();       // [N, W]
+    const float* wh = im.head->value.data<float>();  // [V, W]
+    const int32_t* tg = im.targets.data<int32_t>();  // [N]
+    for (int64_t i = 0; i < N; ++i) {
+      if (w[i] <= 0.f) continue;
+      int64_t best = 0;
+      float best_logit = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) {
+        float z = 0.f;
+        for (int64_t k = 0; k < W; ++k) z += h[i * W + k] * wh[v * W + k];
+        if (z > best_logit) {  // strict: the lowest index wins ties
+          best_logit = z;
+          best = v;
+        }
+      }
+      parts.counted[i / L] += w[i];
+      if (best == tg[i]) parts.correct[i / L] += w[i];
+    }
+  }
   im.has_forward = true;
   return parts;
 }
