@@ -16,6 +16,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -24,11 +25,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/status.h"
+#include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 
@@ -134,6 +137,32 @@ double NowUnixSeconds() { return absl::ToUnixMicros(absl::Now()) * 1e-6; }
 
 }  // namespace
 
+// Registered with the Exposer ahead of the registry, so within one scrape the
+// count goes up before the registry's values are read: a scrape counted after
+// WaitForScrape began has read values at least as new as the call.
+class TrainingMetrics::ScrapeCounter : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    absl::MutexLock lock(&mu_);
+    ++count_;
+    return {};
+  }
+  int64_t count() const {
+    absl::MutexLock lock(&mu_);
+    return count_;
+  }
+  // Waits until count() exceeds `seen`, at most until `deadline`.
+  bool WaitPast(int64_t seen, absl::Time deadline) const {
+    absl::MutexLock lock(&mu_);
+    auto past = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return count_ > seen; };
+    return mu_.AwaitWithDeadline(absl::Condition(&past), deadline);
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  mutable int64_t count_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 absl::StatusOr<int64_t> RestartCountFromEnvironment() {
   const char* env = std::getenv("SMAT_RESTART_COUNT");
   if (env == nullptr || env[0] == '\0') return 0;
@@ -190,6 +219,8 @@ absl::StatusOr<std::unique_ptr<TrainingMetrics>> TrainingMetrics::Create(
         "linked at start-up with large thread-local storage (cuBLAS) starves civetweb's "
         "threads: load it with dlopen (PLATFORM.md)"));
   }
+  m->scrape_counter_ = std::make_shared<ScrapeCounter>();
+  m->exposer_->RegisterCollectable(m->scrape_counter_);
   m->exposer_->RegisterCollectable(m->registry_);
   const std::vector<int> ports = m->exposer_->GetListeningPorts();
   if (ports.empty() || ports[0] <= 0) {
@@ -317,6 +348,22 @@ void TrainingMetrics::RecordCheckpoint(const CheckpointRecord& record) {
   checkpoint_bytes_->Set(static_cast<double>(record.bytes));
   last_checkpoint_time_->Set(record.unix_time_seconds > 0 ? record.unix_time_seconds
                                                           : NowUnixSeconds());
+}
+
+void TrainingMetrics::RecordNonFiniteLoss() {
+  loss_->Set(std::numeric_limits<double>::quiet_NaN());
+  loss_is_finite_->Set(0);
+}
+
+int64_t TrainingMetrics::scrapes() const {
+  return scrape_counter_ == nullptr ? 0 : scrape_counter_->count();
+}
+
+bool TrainingMetrics::WaitForScrape(absl::Duration max_wait) {
+  if (scrape_counter_ == nullptr) return false;
+  const int64_t seen = scrape_counter_->count();
+  if (seen == 0) return false;
+  return scrape_counter_->WaitPast(seen, absl::Now() + max_wait);
 }
 
 void TrainingMetrics::SetDeviceMemoryBytes(int64_t bytes) {

@@ -56,6 +56,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/config.pb.h"
 
 namespace prometheus {
@@ -122,6 +123,22 @@ class TrainingMetrics {
   void RecordStep(const StepRecord& record);
   void RecordCheckpoint(const CheckpointRecord& record);
   void SetDeviceMemoryBytes(int64_t bytes);
+  // For a step the loop stopped before recording because its loss was NaN or
+  // inf: smat_loss becomes NaN and smat_loss_is_finite 0 (the SmatLossNotFinite
+  // alert), smat_step stays at the last completed step.
+  void RecordNonFiniteLoss();
+
+  // Blocks until Prometheus has scraped the values current at the call, or
+  // max_wait passed; true if it did. Returns false at once when nothing has
+  // ever scraped this rank (no Prometheus watching: no reason to wait) or
+  // metrics are disabled. For a run that is about to end on a NaN loss, so the
+  // alert sees it before the series disappear:
+  //
+  //   metrics->RecordNonFiniteLoss();
+  //   metrics->WaitForScrape(absl::Seconds(20));   // then exit with code 4
+  bool WaitForScrape(absl::Duration max_wait);
+  // Scrapes served so far.
+  int64_t scrapes() const;
 
   // The port this rank serves on (the kernel's pick when metrics.port is 0);
   // 0 when metrics are disabled.
@@ -141,10 +158,13 @@ class TrainingMetrics {
     prometheus::Counter* bytes;
   };
 
+  class ScrapeCounter;  // a Collectable that counts the scrapes it is part of
+
   TrainingMetrics() = default;
   void Build(const std::string& job, int rank, double restarts);
   CommCounters& CommFor(std::string_view op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(comm_mu_);
 
+  std::shared_ptr<ScrapeCounter> scrape_counter_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;

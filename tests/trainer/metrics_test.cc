@@ -19,6 +19,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -241,6 +242,39 @@ TEST(TrainingMetricsTest, NonFiniteLossIsExportedAndLatched) {
   // Once NaN, the run is broken even if a later loss looks fine: the alert
   // must not clear by itself.
   EXPECT_EQ(Sample((*m)->Scrape(), "smat_loss_is_finite" + l), 0);
+}
+
+// The NaN path of smat_train: the loop stops before recording the step, main
+// marks the loss and waits for one more scrape so the alert can see it.
+TEST(TrainingMetricsTest, NonFiniteLossWaitsForAScrape) {
+  auto m = TrainingMetrics::Create(LoopbackConfig(0), 0, 0, "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  TrainingMetrics& metrics = **m;
+  StepRecord rec;
+  rec.step = 3;
+  rec.loss = 4.0;
+  metrics.RecordStep(rec);
+  // Nobody has scraped yet: no Prometheus is watching, nothing to wait for.
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(metrics.WaitForScrape(absl::Seconds(30)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  ASSERT_FALSE(HttpScrape(metrics.port()).empty());
+  EXPECT_EQ(metrics.scrapes(), 1);
+
+  metrics.RecordNonFiniteLoss();
+  std::string later;
+  std::thread scraper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    later = HttpScrape(metrics.port());
+  });
+  EXPECT_TRUE(metrics.WaitForScrape(absl::Seconds(30)));
+  scraper.join();
+  const std::string l = "{job=\"t\",rank=\"0\"}";
+  EXPECT_EQ(Sample(later, "smat_loss_is_finite" + l), 0);
+  EXPECT_TRUE(std::isnan(Sample(later, "smat_loss" + l)));
+  EXPECT_EQ(Sample(later, "smat_step" + l), 3);
+  // And a bounded wait when no further scrape comes.
+  EXPECT_FALSE(metrics.WaitForScrape(absl::Milliseconds(200)));
 }
 
 TEST(TrainingMetricsTest, PortInUseIsAnActionableError) {
