@@ -90,6 +90,20 @@ class ModelKernels {
   virtual absl::Status SigmoidScaleBackward(const Tensor& x, const Tensor& g, const Tensor& dy,
                                             Tensor& dx, Tensor& dg, Stream* stream = nullptr) = 0;
 
+  // --- feature maps beyond kernels/feature_map.h (model.feature_map) ------------------
+  // SOFTPLUS: y = softplus(x) = log(1 + e^x) > 0. x, y same shape (y may alias x).
+  virtual absl::Status SoftplusForward(const Tensor& x, Tensor& y, Stream* stream = nullptr) = 0;
+  // dx = sigmoid(x) dy (overwritten; dx may alias dy).
+  virtual absl::Status SoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx,
+                                        Stream* stream = nullptr) = 0;
+  // EXP: y[i, :] = exp(x[i, :] - max_j x[i, j]) over rows of r features
+  // (x, y [M, r]; positive, at most 1, so exp never overflows).
+  virtual absl::Status ExpRowMaxForward(const Tensor& x, Tensor& y, Stream* stream = nullptr) = 0;
+  // dx[i, j] = y[i, j] dy[i, j] - [j = a_i] sum_k y[i, k] dy[i, k], a_i the first
+  // argmax of row i (the max is a function of x too). dx overwritten.
+  virtual absl::Status ExpRowMaxBackward(const Tensor& x, const Tensor& y, const Tensor& dy,
+                                         Tensor& dx, Stream* stream = nullptr) = 0;
+
   // --- short causal depthwise convolution (width K = kShortConvWidth) ----------------
   // y[b, t, c] = sum_{j<K} w[j, c] x[b, t - (K-1) + j, c], where rows before the
   // span (t - (K-1) + j < 0) come from prefix[b, K-1 + (t - (K-1) + j), c]: the

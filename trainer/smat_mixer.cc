@@ -25,20 +25,6 @@ uint64_t HashIndex(int64_t token) { return static_cast<uint64_t>(token + 1); }
 
 int64_t AddBytes(const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
 
-absl::StatusOr<FeatureMap> KernelFeatureMap(ModelConfig::FeatureMap f) {
-  switch (f) {
-    case ModelConfig::ELU_PLUS_ONE:
-      return FeatureMap::kEluPlusOne;
-    case ModelConfig::RELU:
-      return FeatureMap::kReluEps;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config: model.feature_map = ", ModelConfig::FeatureMap_Name(f),
-          " has no kernel (kernels/feature_map.h provides ELU_PLUS_ONE and RELU); pick one of "
-          "those"));
-  }
-}
-
 }  // namespace
 
 int64_t MixerActivations::Bytes() const {
@@ -64,14 +50,60 @@ int64_t MixerActivations::Bytes() const {
 absl::StatusOr<SmatMixer> SmatMixer::Create(const TrainConfig& config, MixerParameters params,
                                             Backend& backend) {
   const ModelConfig& m = config.model();
-  SMAT_ASSIGN_OR_RETURN(FeatureMap fmap, KernelFeatureMap(m.feature_map()));
+  if (!ModelConfig::FeatureMap_IsValid(m.feature_map())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: model.feature_map = ", m.feature_map(),
+        " is not a feature map; expected ELU_PLUS_ONE, RELU, SOFTPLUS or EXP"));
+  }
   SMAT_ASSIGN_OR_RETURN(ModelKernels * kernels, backend.model());
   SMAT_CHECK(params.wq && params.wk && params.wv && params.wo);
   SMAT_CHECK(!m.short_conv() || (params.conv_q && params.conv_k && params.conv_v));
   SMAT_CHECK(!m.gated() || (params.w_decay && params.b_decay));
   SMAT_CHECK(!m.key_gate() || (params.w_key_gate && params.b_key_gate));
-  return SmatMixer(backend, *kernels, params, fmap, m.heads(), m.head_dim_qk(), m.head_dim_v(),
-                   config.smat().eps());
+  return SmatMixer(backend, *kernels, params, m.feature_map(), m.heads(), m.head_dim_qk(),
+                   m.head_dim_v(), config.smat().eps());
+}
+
+absl::Status SmatMixer::Features(const Tensor& x, Tensor& y) {
+  switch (features_) {
+    case ModelConfig::ELU_PLUS_ONE:
+      return FeatureMapForward(FeatureMap::kEluPlusOne, x, &y);
+    case ModelConfig::RELU:
+      return FeatureMapForward(FeatureMap::kReluEps, x, &y);
+    case ModelConfig::SOFTPLUS:
+      return kernels_->SoftplusForward(x, y);
+    case ModelConfig::EXP: {
+      // Per head: the max is taken over that head's r features.
+      Tensor yr = y.View(0, {x.numel() / r_, r_});
+      return kernels_->ExpRowMaxForward(x.View(0, {x.numel() / r_, r_}), yr);
+    }
+    default:
+      break;
+  }
+  SMAT_CHECK(false);  // Create rejected every other value
+  return absl::OkStatus();
+}
+
+absl::Status SmatMixer::FeaturesBackward(const Tensor& x, const Tensor& y, const Tensor& dy,
+                                         Tensor& dx) {
+  switch (features_) {
+    case ModelConfig::ELU_PLUS_ONE:
+      return FeatureMapBackward(FeatureMap::kEluPlusOne, x, dy, &dx);
+    case ModelConfig::RELU:
+      return FeatureMapBackward(FeatureMap::kReluEps, x, dy, &dx);
+    case ModelConfig::SOFTPLUS:
+      return kernels_->SoftplusBackward(x, dy, dx);
+    case ModelConfig::EXP: {
+      const int64_t M = x.numel() / r_;
+      Tensor dxr = dx.View(0, {M, r_});
+      return kernels_->ExpRowMaxBackward(x.View(0, {M, r_}), y.View(0, {M, r_}),
+                                         dy.View(0, {M, r_}), dxr);
+    }
+    default:
+      break;
+  }
+  SMAT_CHECK(false);
+  return absl::OkStatus();
 }
 
 absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerActivations* a,
@@ -114,8 +146,8 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
 
   SMAT_ASSIGN_OR_RETURN(a->phi, NewActivation(be, {N, Cq}));
   SMAT_ASSIGN_OR_RETURN(a->psi_raw, NewActivation(be, {N, Cq}));
-  SMAT_RETURN_IF_ERROR(FeatureMapForward(fmap_, a->q_in, &a->phi));
-  SMAT_RETURN_IF_ERROR(FeatureMapForward(fmap_, a->k_in, &a->psi_raw));
+  SMAT_RETURN_IF_ERROR(Features(a->q_in, a->phi));
+  SMAT_RETURN_IF_ERROR(Features(a->k_in, a->psi_raw));
   if (p_.w_key_gate != nullptr) {
     SMAT_ASSIGN_OR_RETURN(a->key_gate, NewActivation(be, {N, H_}));
     SMAT_RETURN_IF_ERROR(LinearForward(be, x, *p_.w_key_gate, p_.b_key_gate, a->key_gate));
@@ -191,8 +223,8 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
   // Gradients of the feature-map inputs (conv outputs or projections).
   SMAT_ASSIGN_OR_RETURN(Tensor d_q_in, NewActivation(be, {N, Cq}));
   SMAT_ASSIGN_OR_RETURN(Tensor d_k_in, NewActivation(be, {N, Cq}));
-  SMAT_RETURN_IF_ERROR(FeatureMapBackward(fmap_, a.q_in, g.phi.View(0, {N, Cq}), &d_q_in));
-  SMAT_RETURN_IF_ERROR(FeatureMapBackward(fmap_, a.k_in, d_psi_raw, &d_k_in));
+  SMAT_RETURN_IF_ERROR(FeaturesBackward(a.q_in, a.phi, g.phi.View(0, {N, Cq}), d_q_in));
+  SMAT_RETURN_IF_ERROR(FeaturesBackward(a.k_in, a.psi_raw, d_psi_raw, d_k_in));
   Tensor d_v_in = g.v.View(0, {N, Cv});
 
   Tensor d_q = d_q_in, d_k = d_k_in, d_v = d_v_in;  // gradients of the projections

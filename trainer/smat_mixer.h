@@ -5,7 +5,8 @@
 //   [short conv]  width-4 causal depthwise conv on q, k, v (the 3 rows before
 //                 the span come from the previous rank through the sequence
 //                 communicator; zeros at the start of the sequence)
-//   phi = f(q), psi = f(k)                                feature map (kernels/feature_map.h)
+//   phi = f(q), psi = f(k)                                feature map (model.feature_map:
+//                                                         kernels/feature_map.h or ModelKernels)
 //   [key gate]    psi *= sigmoid(x Wkg^T + bkg)            per token and head
 //   [gated]       logg = -softplus(x Wdecay^T + bdecay)    per token and head (Eq. 13)
 //   o = SMat(phi, psi, v, logg; prof, type)               sequence-parallel op
@@ -93,15 +94,18 @@ class SmatMixer {
                         const Tensor& dout, Tensor* dx);
 
  private:
-  SmatMixer(Backend& backend, ModelKernels& kernels, MixerParameters params, FeatureMap fmap,
-            int64_t heads, int64_t r, int64_t dv, float eps)
-      : backend_(&backend), kernels_(&kernels), p_(params), fmap_(fmap), H_(heads), r_(r),
-        dv_(dv), eps_(eps) {}
+  SmatMixer(Backend& backend, ModelKernels& kernels, MixerParameters params,
+            ModelConfig::FeatureMap features, int64_t heads, int64_t r, int64_t dv, float eps)
+      : backend_(&backend), kernels_(&kernels), p_(params), features_(features), H_(heads),
+        r_(r), dv_(dv), eps_(eps) {}
+  // y = f(x) and dx = f'(x) dy for the configured feature map; x, y, dx [N, H r].
+  absl::Status Features(const Tensor& x, Tensor& y);
+  absl::Status FeaturesBackward(const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx);
 
   Backend* backend_;
   ModelKernels* kernels_;
   MixerParameters p_;
-  FeatureMap fmap_;
+  ModelConfig::FeatureMap features_;
   int64_t H_, r_, dv_;
   float eps_;
 };

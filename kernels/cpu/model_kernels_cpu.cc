@@ -268,6 +268,64 @@ class CpuModelKernels final : public ModelKernels {
     return absl::OkStatus();
   }
 
+  absl::Status SoftplusForward(const Tensor& x, Tensor& y, Stream*) override {
+    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "SoftplusForward", "x"));
+    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), "SoftplusForward", "y"));
+    const float* xp = x.data<float>();
+    float* yp = y.data<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      yp[i] = std::max(xp[i], 0.f) + std::log1p(std::exp(-std::fabs(xp[i])));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx, Stream*) override {
+    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "SoftplusBackward", "x"));
+    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), "SoftplusBackward", "dy"));
+    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), "SoftplusBackward", "dx"));
+    const float* xp = x.data<float>();
+    const float* g = dy.data<float>();
+    float* gx = dx.data<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) gx[i] = Sigmoid(xp[i]) * g[i];
+    return absl::OkStatus();
+  }
+
+  absl::Status ExpRowMaxForward(const Tensor& x, Tensor& y, Stream*) override {
+    SMAT_ASSIGN_OR_RETURN(auto mr, Matrix(x, "ExpRowMaxForward", "x"));
+    const auto [M, r] = mr;
+    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {M, r}, "ExpRowMaxForward", "y"));
+    const float* xp = x.data<float>();  // [M, r]
+    float* yp = y.data<float>();        // [M, r]
+    for (int64_t i = 0; i < M; ++i) {
+      const float* row = xp + i * r;
+      const float mx = *std::max_element(row, row + r);
+      for (int64_t j = 0; j < r; ++j) yp[i * r + j] = std::exp(row[j] - mx);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ExpRowMaxBackward(const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx,
+                                 Stream*) override {
+    SMAT_ASSIGN_OR_RETURN(auto mr, Matrix(x, "ExpRowMaxBackward", "x"));
+    const auto [M, r] = mr;
+    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {M, r}, "ExpRowMaxBackward", "y"));
+    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {M, r}, "ExpRowMaxBackward", "dy"));
+    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {M, r}, "ExpRowMaxBackward", "dx"));
+    const float* xp = x.data<float>();   // [M, r]
+    const float* yp = y.data<float>();   // [M, r]
+    const float* g = dy.data<float>();   // [M, r]
+    float* gx = dx.data<float>();        // [M, r]
+    for (int64_t i = 0; i < M; ++i) {
+      const float* row = xp + i * r;
+      const int64_t a = std::max_element(row, row + r) - row;  // first argmax
+      double dot = 0.0;
+      for (int64_t j = 0; j < r; ++j) dot += double{yp[i * r + j]} * g[i * r + j];
+      for (int64_t j = 0; j < r; ++j) gx[i * r + j] = yp[i * r + j] * g[i * r + j];
+      gx[i * r + a] -= static_cast<float>(dot);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status ShortConvForward(const Tensor& x, const Tensor& prefix, const Tensor& w, Tensor& y,
                                 Stream*) override {
     constexpr int64_t K = kShortConvWidth;

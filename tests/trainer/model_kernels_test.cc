@@ -191,6 +191,43 @@ TEST_F(ModelKernelsTest, GatesMatchFiniteDifferences) {
   ExpectClose(gg, FiniteDifferences(f2, in, 1), "key gate dg");
 }
 
+TEST_F(ModelKernelsTest, SoftplusAndExpFeaturesMatchFiniteDifferences) {
+  const int64_t M = 6, r = 7;
+  Tensor x = Randn({M, r}, 25, 2.f), dy = Randn({M, r}, 26);
+  auto sp = [](double v) { return std::log1p(std::exp(v)); };
+  Tensor y = Zeros({M, r}), dx = Zeros({M, r});
+  ASSERT_TRUE(mk_->SoftplusForward(x, y).ok());
+  ASSERT_TRUE(mk_->SoftplusBackward(x, dy, dx).ok());
+  Vec want(M * r);
+  for (int64_t i = 0; i < M * r; ++i) want[i] = sp(x.data<float>()[i]);
+  ExpectClose(y, want, "softplus");
+  Fn f1 = [&](const std::vector<Vec>& in) {
+    double s = 0;
+    for (int64_t i = 0; i < M * r; ++i) s += in[1][i] * sp(in[0][i]);
+    return s;
+  };
+  ExpectClose(dx, FiniteDifferences(f1, {ToVec(x), ToVec(dy)}, 0), "d softplus");
+
+  // exp(x - rowmax): random rows have no ties, so the max is differentiable.
+  auto ex = [&](const Vec& xv, int64_t i, int64_t j) {
+    double mx = xv[i * r];
+    for (int64_t k = 1; k < r; ++k) mx = std::max(mx, xv[i * r + k]);
+    return std::exp(xv[i * r + j] - mx);
+  };
+  ASSERT_TRUE(mk_->ExpRowMaxForward(x, y).ok());
+  ASSERT_TRUE(mk_->ExpRowMaxBackward(x, y, dy, dx).ok());
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < r; ++j) want[i * r + j] = ex(ToVec(x), i, j);
+  ExpectClose(y, want, "exp features");
+  Fn f2 = [&](const std::vector<Vec>& in) {
+    double s = 0;
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < r; ++j) s += in[1][i * r + j] * ex(in[0], i, j);
+    return s;
+  };
+  ExpectClose(dx, FiniteDifferences(f2, {ToVec(x), ToVec(dy)}, 0), "d exp features");
+}
+
 TEST_F(ModelKernelsTest, ShortConvIsCausalWithPrefixAndMatchesFiniteDifferences) {
   const int64_t nb = 2, L = 6, C = 5, K = kShortConvWidth;
   Tensor x = Randn({nb, L, C}, 14), pre = Randn({nb, K - 1, C}, 15), w = Randn({K, C}, 16);

@@ -119,7 +119,11 @@ INSTANTIATE_TEST_SUITE_P(
         GradCase{"d2_hash", {.d = 2, .token_hash = true}},
         GradCase{"d2_hash_gated_conv_untied",
                  {.d = 2, .token_hash = true, .gated = true, .short_conv = true, .tied = false}},
-        GradCase{"d1_hash_keygate", {.d = 1, .token_hash = true, .key_gate = true}}),
+        GradCase{"d1_hash_keygate", {.d = 1, .token_hash = true, .key_gate = true}},
+        GradCase{"d2_softplus_features_gated",
+                 {.d = 2, .gated = true, .feature_map = ModelConfig::SOFTPLUS}},
+        GradCase{"d2_exp_features_conv_keygate",
+                 {.d = 2, .short_conv = true, .key_gate = true, .feature_map = ModelConfig::EXP}}),
     [](const ::testing::TestParamInfo<GradCase>& info) { return info.param.name; });
 
 // Recomputation runs the same kernels on the same block inputs, so the
@@ -320,7 +324,7 @@ TEST(ModelTest, BadInputsAreErrors) {
   EXPECT_GT((*model)->ActivationBytes(), 0);
   EXPECT_EQ((*model)->Backward(0.0).code(), absl::StatusCode::kInvalidArgument);
   TrainConfig cfg = TinyModelConfig(o);
-  cfg.mutable_model()->set_feature_map(ModelConfig::SOFTPLUS);
+  cfg.mutable_model()->set_vocab_size(1);
   EXPECT_EQ(Model::Create(cfg, cpu).status().code(), absl::StatusCode::kInvalidArgument);
   cfg = TinyModelConfig(o);
   cfg.mutable_model()->set_heads(0);

@@ -21,6 +21,7 @@ struct TinyModelOptions {
   bool tied = true;
   int64_t T = 37;  // 9 chunks of 4 and a partial one
   int64_t recompute_above_t = 0;
+  ModelConfig::FeatureMap feature_map = ModelConfig::ELU_PLUS_ONE;
 };
 
 // vocab 13, width 8, 2 heads of r = dv = 4, MLP 12, 2 layers, chunk 4.
@@ -38,6 +39,7 @@ inline TrainConfig TinyModelConfig(const TinyModelOptions& o) {
   m->set_key_gate(o.key_gate);
   m->set_routing(o.token_hash ? ModelConfig::TOKEN_HASH : ModelConfig::POSITIONAL);
   m->set_recompute_above_t(o.recompute_above_t);
+  m->set_feature_map(o.feature_map);
   c.mutable_smat()->set_d(o.d);
   c.mutable_smat()->set_chunk(4);
   c.mutable_data()->set_seq_len(o.T);
