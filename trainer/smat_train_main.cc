@@ -363,6 +363,12 @@ int Main(int argc, char** argv) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!st.ok()) {
     const int code = ExitCodeForStatus(st);
+    if (code == kExitNonFiniteLoss) {
+      // Let a watching Prometheus scrape the NaN before the series disappear
+      // (alert SmatLossNotFinite); no wait when nothing scrapes this rank.
+      (*metrics)->RecordNonFiniteLoss();
+      (*metrics)->WaitForScrape(absl::Seconds(20));
+    }
     if (world == 1) return fail(st);
     AbortAll(st, code, rank);
   }
