@@ -4,11 +4,13 @@
 // without training a model. Each rank serves on 127.0.0.1 (metrics.port 0: a
 // free port) and writes its target file under <run_dir>/metrics/.
 //
-//   mpirun -np 2 metrics_probe <run_dir> <max_seconds>
+//   mpirun -np 2 metrics_probe <run_dir> <max_seconds> [nan]
 //
 // A rank stops after max_seconds or as soon as <run_dir>/stop exists, then
 // all ranks meet in a barrier and exit 0. Exit 1 with a message when the
-// metrics cannot be served.
+// metrics cannot be served. With `nan`, the ranks end as smat_train does on a
+// NaN loss: from step 20, once Prometheus has scraped them, they mark the loss
+// non-finite, wait for one more scrape (at most 20 s) and exit 4.
 #include <mpi.h>
 #include <unistd.h>
 
@@ -21,11 +23,14 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/time/time.h"
 #include "trainer/metrics.h"
 
 namespace {
 
-int Run(int rank, int local_rank, const std::string& run_dir, double max_seconds) {
+constexpr int kExitNonFiniteLoss = 4;  // core/exit_codes.h
+
+int Run(int rank, int local_rank, const std::string& run_dir, double max_seconds, bool nan) {
   smat::MetricsConfig config;
   config.set_host("127.0.0.1");  // tests stay on loopback
   config.set_port(0);
@@ -57,6 +62,14 @@ int Run(int rank, int local_rank, const std::string& run_dir, double max_seconds
     if (step == 5) {
       (*metrics)->RecordCheckpoint({.step = step, .seconds = 0.25, .bytes = 1 << 20});
     }
+    if (nan && step >= 20 && (*metrics)->scrapes() > 0) {
+      (*metrics)->RecordNonFiniteLoss();
+      const bool seen = (*metrics)->WaitForScrape(absl::Seconds(20));
+      std::fprintf(stderr, "metrics_probe rank %d: loss marked non-finite at step %lld, %s\n",
+                   rank, static_cast<long long>(step),
+                   seen ? "scraped" : "not scraped within 20 s");
+      return kExitNonFiniteLoss;
+    }
   }
   return 0;
 }
@@ -72,12 +85,13 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(local, &local_rank);
   MPI_Comm_free(&local);
   double max_seconds = 0;
-  if (argc != 3 || !absl::SimpleAtod(argv[2], &max_seconds) || max_seconds <= 0) {
-    if (rank == 0) std::fprintf(stderr, "usage: metrics_probe <run_dir> <max_seconds>\n");
+  const bool nan = argc == 4 && std::string(argv[3]) == "nan";
+  if ((argc != 3 && !nan) || !absl::SimpleAtod(argv[2], &max_seconds) || max_seconds <= 0) {
+    if (rank == 0) std::fprintf(stderr, "usage: metrics_probe <run_dir> <max_seconds> [nan]\n");
     MPI_Finalize();
     return 2;
   }
-  const int rc = Run(rank, local_rank, argv[1], max_seconds);
+  const int rc = Run(rank, local_rank, argv[1], max_seconds, nan);
   int worst = rc;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   MPI_Finalize();

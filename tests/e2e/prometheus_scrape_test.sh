@@ -6,9 +6,12 @@
 # exit, and every wait is bounded.
 #
 #   prometheus_scrape_test.sh probe <repo> <mpiexec> <metrics_probe>
+#   prometheus_scrape_test.sh probe_nan <repo> <mpiexec> <metrics_probe>
 #   prometheus_scrape_test.sh train <repo> <mpiexec> <smat_train> <config> [--set ...]
 #
 # probe: tests/e2e/metrics_probe (job smat_e2e), stopped by the test once checked.
+# probe_nan: the probe ends on a NaN loss as smat_train does (exit 4); the
+#        SmatLossNotFinite alert of deploy/prometheus/alerts.yml must fire.
 # train: a short smat_train run (metrics on 127.0.0.1, port 0, run.dir in the
 #        temporary folder), left to finish by itself.
 # Also checks that deploy/prometheus/alerts.yml loads and evaluates without
@@ -125,6 +128,31 @@ case "$mode" in
     "$mpiexec" -np 2 --oversubscribe --bind-to none "$program" "$run_dir" 90 \
       >"$tmp/job.log" 2>&1 &
     job_pid=$!
+    ;;
+  probe_nan)
+    job=smat_e2e
+    "$mpiexec" -np 2 --oversubscribe --bind-to none "$program" "$run_dir" 90 nan \
+      >"$tmp/job.log" 2>&1 &
+    job_pid=$!
+    for _ in $(seq 300); do  # 60 s: the alert fires on the rules' next evaluation
+      [[ "$(query "count(ALERTS{alertname=\"SmatLossNotFinite\",alertstate=\"firing\",job=\"$job\"})")" == 1 ]] && break
+      sleep 0.2
+    done
+    expect_value "count(ALERTS{alertname=\"SmatLossNotFinite\",alertstate=\"firing\",job=\"$job\"})" 1
+    expect_value "count(last_over_time(smat_loss_is_finite{job=\"$job\"}[5m]) == 0)" 2
+    for _ in $(seq 150); do  # 30 s
+      kill -0 "$job_pid" 2>/dev/null || break
+      sleep 0.2
+    done
+    kill -0 "$job_pid" 2>/dev/null && fail "the job did not end within 30 s of its NaN"
+    wait "$job_pid"
+    job_rc=$?
+    job_pid=""
+    ((job_rc == 4)) || fail "the job exited with $job_rc, expected 4 (non-finite loss)"
+    grep -q "loss marked non-finite at step .*, scraped" "$tmp/job.log" ||
+      fail "no rank saw its NaN scraped before exiting"
+    echo "PASS: SmatLossNotFinite fired for a job that ended on a NaN loss (exit 4)"
+    exit 0
     ;;
   train)
     config=${1:?config}
