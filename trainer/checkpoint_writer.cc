@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -179,9 +180,10 @@ struct CheckpointWriter::Pending {
   CheckpointManifest manifest;  // without CRCs until the commit
   std::string shard;            // this rank's shard file, byte for byte
   CheckpointFault fault;
-  // Set by WriteShard.
+  // Set by WriteShard; `written` last, so a reader that sees it sees the rest.
   absl::Status write_status;
   uint32_t crc = 0;
+  std::atomic<bool> written{false};
 };
 
 CheckpointWriter::CheckpointWriter(CheckpointWriterOptions options, CheckpointExchange exchange)
@@ -203,6 +205,7 @@ void CheckpointWriter::WriteShard(Pending* p) {
     MaybeInjectFault(p->fault, FaultPhase::kAfterShards, p->step, p->rank);
     return absl::OkStatus();
   }();
+  p->written.store(true, std::memory_order_release);
 }
 
 absl::Status CheckpointWriter::Save(const CheckpointState& state) {
@@ -283,6 +286,18 @@ absl::Status CheckpointWriter::Save(const CheckpointState& state) {
 }
 
 absl::Status CheckpointWriter::Finish() { return Commit(); }
+
+absl::Status CheckpointWriter::Poll() {
+  // Every rank has a save in flight or none (Save and Commit are collective),
+  // so the ranks agree on whether to exchange at all.
+  if (pending_ == nullptr) return absl::OkStatus();
+  const bool written = pending_->written.load(std::memory_order_acquire);
+  SMAT_ASSIGN_OR_RETURN(std::vector<int64_t> done, exchange_(written ? 1 : 0));
+  for (int64_t d : done) {
+    if (d == 0) return absl::OkStatus();  // a rank is still writing: next step
+  }
+  return Commit();
+}
 
 absl::Status CheckpointWriter::Commit() {
   if (pending_ == nullptr) return absl::OkStatus();

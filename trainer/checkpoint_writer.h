@@ -26,8 +26,10 @@
 //
 // Asynchronous saves. Save copies the state into the writer's own buffers
 // (the caller's only stall) and returns; the caller may change its tensors at
-// once. The next Save (or Finish) waits for the write and commits it, so at
-// most one save is in flight; a failed write is reported there.
+// once. Poll, called by the loop after every step, commits the save as soon as
+// every rank's write has finished (until then a crash loses only this save);
+// the next Save (or Finish) waits for the write and commits it, so at most one
+// save is in flight; a failed write is reported there.
 //
 // Fault injection (tests): SMAT_FAULT_CHECKPOINT=phase:step[:rank] raises
 // SIGKILL on that rank (every rank when omitted) at `phase` of the save of
@@ -38,6 +40,7 @@
 //
 //   CheckpointWriterOptions opts{.dir = cfg.checkpoint().dir(), .keep_last = 3};
 //   CheckpointWriter writer(opts, ExchangeOverCommunicator(pg->host_world()));
+//   SMAT_RETURN_IF_ERROR(writer.Poll());        // after every step
 //   SMAT_RETURN_IF_ERROR(writer.Save(state));   // every checkpoint.every_steps
 //   ...
 //   SMAT_RETURN_IF_ERROR(writer.Finish());       // before exit
@@ -103,7 +106,12 @@ class CheckpointWriter {
   // tensor, duplicate or empty name), kUnavailable (a write or the exchange
   // failed, on this or another rank: the job should end and restart).
   absl::Status Save(const CheckpointState& state);
-  // Commits the save in flight, if any. Collective.
+  // Commits the save in flight once every rank has written its shard; returns
+  // at once otherwise. Collective: call it at the same step on every rank
+  // (one AllGather of an int64 per call while a save is in flight, none
+  // otherwise). Errors as Save.
+  absl::Status Poll();
+  // Commits the save in flight, if any, waiting for its write. Collective.
   absl::Status Finish();
   // Bytes this rank wrote for the newest committed save.
   uint64_t last_shard_bytes() const { return last_shard_bytes_; }

@@ -444,6 +444,39 @@ TEST(Checkpoint, AsyncSaveIsNotDisturbedByTheCallerChangingItsTensors) {
   ExpectSameState(expect, *loaded);
 }
 
+TEST(Checkpoint, PollCommitsOnceEveryRankHasWritten) {
+  TempDir dir;
+  ThreadExchange exchange(3);
+  std::vector<int> polls(3, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      CheckpointWriterOptions o;
+      o.dir = dir.path();
+      o.rank = r;
+      o.world_size = 3;
+      CheckpointWriter w(o, exchange.For(r));
+      ASSERT_TRUE(w.Save(MakeState(7, 1)).ok());
+      // Steps of the loop: the commit happens in the Poll of the same
+      // iteration on every rank (it is collective), so all leave together.
+      for (int i = 0; i < 5000 && w.last_committed_step() != 7; ++i) {
+        ASSERT_TRUE(w.Poll().ok());
+        ++polls[r];
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      EXPECT_EQ(w.last_committed_step(), 7);
+      ASSERT_TRUE(w.Poll().ok());  // nothing in flight: no exchange
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(polls[0], polls[1]);
+  EXPECT_EQ(polls[0], polls[2]);
+  // Committed before any Finish.
+  absl::StatusOr<std::string> latest = FindLatestIntact(dir.path());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, CheckpointPath(dir.path(), 7));
+}
+
 TEST(Checkpoint, BadStateAndFaultSpecAreInvalidArgument) {
   TempDir dir;
   CheckpointWriterOptions o;
