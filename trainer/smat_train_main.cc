@@ -352,6 +352,9 @@ int Main(int argc, char** argv) {
     return absl::OkStatus();
   };
   hooks.after_step = [&](const TrainState& ts) -> absl::Status {
+    // Commits an asynchronous save as soon as every rank has written it (a
+    // crash before that loses only that save); collective, hence every step.
+    SMAT_RETURN_IF_ERROR(writer.Poll());
     const int64_t every = ckc.every_steps();
     if (every > 0 && (ts.step % every == 0 || ts.step == total_steps)) return save(ts);
     return absl::OkStatus();
