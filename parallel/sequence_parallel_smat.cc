@@ -370,7 +370,24 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
   SMAT_ASSIGN_OR_RETURN(grads->psi, ZerosOn(backend, {b, L, H, r}, stream));
   SMAT_ASSIGN_OR_RETURN(grads->v, ZerosOn(backend, {b, L, H, z.dv}, stream));
 
-  // The span's part of U_bar, all-reduced while the state gradients run.
+  // The span's own state gradients first, and their AllGather (the reverse
+  // scan over ranks) started at once: it is the backward's one wait, and the
+  // type-table work below is what differs most between ranks (only spans
+  // with recent tokens read U). With TypeReadsBackward first, a distant-only
+  // rank idled for the recent ranks' TypeReadsBackward here (9.5 ms of 247 ms
+  // on 2 H200s, T = 1M, d = 2: docs/PERFORMANCE.md, "Sequence parallelism").
+  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, EmptyOn(backend, {b, Lc, H, r, p}));
+  SMAT_RETURN_IF_ERROR(k->ChunkStateGradients(plan, span, in.phi, gbar, lam, &S_in_bar, stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor zero_in, ZerosOn(backend, {b, 2, H, r, p}, stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor D_bar, EmptyOn(backend, {b, Lc, H, r, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor ssg, EmptyOn(backend, {b, 2, H, r, p}));
+  SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, cd, zero_in, &D_bar, &ssg, stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor ssg_h, HostOf(backend, ssg, stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor pack, Tensor::Empty({z.state()}, DType::kF32));
+  std::memcpy(pack.raw(), ssg_h.raw(), pack.nbytes());
+  SMAT_ASSIGN_OR_RETURN(GatherJob gather, StartGather(backend, comm, pack, stream));
+
+  // The span's part of U_bar, all-reduced while the chunk-local backward runs.
   SMAT_ASSIGN_OR_RETURN(Tensor U_bar, EmptyOn(backend, {b, H, plan.geo.B, r, p}));
   SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.local.U, gbar, lam, cd,
                                             sv.recent_offset, in.type, &grads->phi, &U_bar,
@@ -378,19 +395,8 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
   SMAT_ASSIGN_OR_RETURN(Tensor U_bar_comm, CommBuffer(backend, comm, U_bar, stream));
   SMAT_ASSIGN_OR_RETURN(auto table, comm.StartAllReduce(U_bar_comm, comm.default_timeout()));
 
-  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, EmptyOn(backend, {b, Lc, H, r, p}));
-  SMAT_RETURN_IF_ERROR(k->ChunkStateGradients(plan, span, in.phi, gbar, lam, &S_in_bar, stream));
-  SMAT_ASSIGN_OR_RETURN(Tensor zero_in, ZerosOn(backend, {b, 2, H, r, p}, stream));
-  SMAT_ASSIGN_OR_RETURN(Tensor D_bar, EmptyOn(backend, {b, Lc, H, r, p}));
-  SMAT_ASSIGN_OR_RETURN(Tensor ssg, EmptyOn(backend, {b, 2, H, r, p}));
-  SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, cd, zero_in, &D_bar, &ssg, stream));
-
-  // Reverse scan over ranks: gather every span's state gradient, fold the later
-  // ranks (last first) into this span's incoming gradient.
-  SMAT_ASSIGN_OR_RETURN(Tensor ssg_h, HostOf(backend, ssg, stream));
-  SMAT_ASSIGN_OR_RETURN(Tensor pack, Tensor::Empty({z.state()}, DType::kF32));
-  std::memcpy(pack.raw(), ssg_h.raw(), pack.nbytes());
-  SMAT_ASSIGN_OR_RETURN(GatherJob gather, StartGather(backend, comm, pack, stream));
+  // Reverse scan over ranks: fold the later ranks' state gradients (last
+  // first) into this span's incoming gradient.
   SMAT_ASSIGN_OR_RETURN(Tensor grads_all, FinishGather(backend, gather, stream));
   SMAT_ASSIGN_OR_RETURN(Tensor incoming_grad_h, Tensor::Empty({b, 2, H, r, p}, DType::kF32));
   FoldIncomingGrad(z, F32(grads_all), F32(sv.span_decays), W, me, F32(incoming_grad_h));

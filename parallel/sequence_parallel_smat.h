@@ -12,10 +12,11 @@
 //   -> AllReduce(sum) of the profile table F        || ChunkScan, ChunkOutputs
 //   Tabulate U = C F, TypeReads, Normalize.
 // Backward mirrors it:
-//   NormalizeBackward, TypeReadsBackward (span part of U_bar)
-//   -> AllReduce(sum) of U_bar                      || ChunkStateGradients,
-//   ChunkScanBackward (span state gradients)
-//   -> AllGather(state gradients)                   (U_bar still in flight)
+//   NormalizeBackward, ChunkStateGradients, ChunkScanBackward (span state
+//   gradients)
+//   -> AllGather(state gradients)                   || TypeReadsBackward (span
+//   part of U_bar)
+//   -> AllReduce(sum) of U_bar                      (the gather still in flight)
 //   fold the later ranks (last first), ChunkScanBackward, ChunkOutputsBackward,
 //   TabulateBackward, ProfilePoolingBackward; gated: LogDecayBackward, with an
 //   AllGather of the span sums of dL/dLambda for the suffix over later ranks.
