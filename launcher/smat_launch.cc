@@ -18,6 +18,8 @@
 //   --mpirun PATH      mpirun to use (default "mpirun" from PATH)
 //   --mpirun_arg ARG   extra argument for mpirun (repeatable), e.g. --oversubscribe
 //   --train PATH       smat_train (default: next to smat_launch)
+//   --stop_grace S     after SIGTERM to the launcher, seconds the job gets to
+//                      checkpoint and exit before it is terminated (default 120)
 //   --dry_run          print the first attempt's mpirun command and exit
 // Flags are parsed by hand rather than with absl flags because --set and -x
 // repeat (absl's list flags split on commas and do not accumulate).
@@ -60,7 +62,7 @@ struct Flags {
   std::string hosts, hostfile, config, log_dir, mpirun = "mpirun", train;
   std::vector<std::string> sets, exports, mpirun_args;
   int max_restarts = 3;
-  double backoff = 10, backoff_max = 300;
+  double backoff = 10, backoff_max = 300, stop_grace = 120;
   bool dry_run = false;
 };
 
@@ -68,7 +70,7 @@ constexpr char kUsage[] =
     "usage: smat_launch --config FILE [--np N] [--hosts a:4,b:4 | --hostfile FILE]\n"
     "         [--set PATH=VALUE]... [-x VAR[=VALUE]]... [--max_restarts N] [--backoff S]\n"
     "         [--backoff_max S] [--log_dir DIR] [--mpirun PATH] [--mpirun_arg ARG]...\n"
-    "         [--train PATH] [--dry_run]\n";
+    "         [--train PATH] [--stop_grace S] [--dry_run]\n";
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
@@ -123,6 +125,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       SMAT_RETURN_IF_ERROR(take_double(&f.backoff));
     } else if (arg == "--backoff_max") {
       SMAT_RETURN_IF_ERROR(take_double(&f.backoff_max));
+    } else if (arg == "--stop_grace") {
+      SMAT_RETURN_IF_ERROR(take_double(&f.stop_grace));
     } else if (arg == "--log_dir") {
       SMAT_ASSIGN_OR_RETURN(f.log_dir, take());
     } else if (arg == "--mpirun") {
@@ -202,6 +206,7 @@ absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
   o.max_restarts = f.max_restarts;
   o.backoff_seconds = f.backoff;
   o.backoff_max_seconds = f.backoff_max;
+  o.stop_grace_seconds = f.stop_grace;
   o.log_dir = f.log_dir.empty() ? config.run().dir() + "/launch" : f.log_dir;
   o.checkpoint_dir = config.checkpoint().dir();
   return o;

@@ -178,19 +178,28 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
 
   std::string tail, line;
   int status = 0;
-  bool exited = false, pipe_open = true, forwarded = false;
+  bool exited = false, pipe_open = true, forwarded = false, terminated = false;
   double forwarded_at = 0;
   char buf[8192];
   while (!exited || pipe_open) {
+    // Stop: SIGUSR2 first (mpirun forwards it; every rank checkpoints and
+    // exits 5, trainer/preemption.h), SIGTERM to mpirun after the grace
+    // period (it kills the ranks within a second), SIGKILL 10 s later.
     if (StopRequested() && !forwarded) {
-      std::fprintf(stderr, "smat_launch: forwarding SIGTERM to the job (mpirun pid %d)\n", child);
-      ::kill(child, SIGTERM);
+      std::fprintf(stderr,
+                   "smat_launch: stop requested: forwarding SIGUSR2 (checkpoint and exit) to the "
+                   "job (mpirun pid %d)\n", child);
+      ::kill(child, SIGUSR2);
       forwarded = true;
       forwarded_at = Now();
     }
-    if (forwarded && !exited && Now() - forwarded_at > options_.stop_grace_seconds) {
-      std::fprintf(stderr, "smat_launch: the job outlived %.0f s after SIGTERM; killing it\n",
+    if (forwarded && !exited && !terminated && Now() - forwarded_at > options_.stop_grace_seconds) {
+      std::fprintf(stderr, "smat_launch: the job outlived %.0f s after SIGUSR2; sending SIGTERM\n",
                    options_.stop_grace_seconds);
+      ::kill(child, SIGTERM);
+      terminated = true;
+    }
+    if (terminated && !exited && Now() - forwarded_at > options_.stop_grace_seconds + 10) {
       ::kill(-child, SIGKILL);
       ::kill(child, SIGKILL);
     }

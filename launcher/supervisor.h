@@ -14,8 +14,11 @@
 // lost in between, and how long each restart took to log its first step.
 //
 // A stop request (SIGTERM or SIGINT to the launcher, seen through `stop`) is
-// forwarded to mpirun as SIGTERM (mpirun forwards it to every rank, which
-// checkpoint and exit with code 5), and no further attempt starts.
+// forwarded to mpirun as SIGUSR2, which mpirun passes to every rank: they
+// checkpoint and exit with code 5 (trainer/preemption.h). SIGTERM would not
+// do: mpirun answers it by killing the ranks within a second. A job still
+// running after stop_grace_seconds gets SIGTERM, 10 s later SIGKILL. No
+// further attempt starts.
 #pragma once
 
 #include <atomic>
@@ -35,8 +38,8 @@ struct SupervisorOptions {
   double backoff_max_seconds = 300; // cap of the exponential growth
   std::string log_dir;              // attempt_N.log and summary.txt
   std::string checkpoint_dir;       // where `latest` is read; empty: not known
-  // After forwarding SIGTERM, how long mpirun gets before SIGKILL (the ranks
-  // write their checkpoint in that time).
+  // After forwarding SIGUSR2, how long the job gets to checkpoint and exit
+  // before SIGTERM.
   double stop_grace_seconds = 120;
 };
 

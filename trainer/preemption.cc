@@ -21,7 +21,7 @@ std::atomic<int> checkpoint_requested{0};
 static_assert(std::atomic<int>::is_always_lock_free, "signal handlers need lock-free atomics");
 
 void OnSignal(int sig) {
-  if (sig == SIGTERM) preempt_requested.store(1, std::memory_order_relaxed);
+  if (sig == SIGTERM || sig == SIGUSR2) preempt_requested.store(1, std::memory_order_relaxed);
   if (sig == SIGUSR1) checkpoint_requested.store(1, std::memory_order_relaxed);
 }
 
@@ -33,7 +33,7 @@ absl::Status InstallPreemptionHandlers() {
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;  // a write or read in flight continues after the handler
-  for (int sig : {SIGTERM, SIGUSR1}) {
+  for (int sig : {SIGTERM, SIGUSR1, SIGUSR2}) {
     if (::sigaction(sig, &sa, nullptr) != 0) {
       return absl::InternalError(absl::StrCat("sigaction(", strsignal(sig),
                                               ") failed: ", std::strerror(errno)));

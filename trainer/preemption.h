@@ -1,6 +1,9 @@
 // Preemption and on-demand checkpoints through signals.
 //
-//   SIGTERM  (scheduler preemption, or smat_launch/mpirun forwarding its own)
+//   SIGTERM  (a scheduler preempting the ranks directly) or
+//   SIGUSR2  (smat_launch's request, through mpirun, which forwards SIGUSR1/2
+//            to every rank but answers SIGTERM itself by killing the job
+//            within a second)
 //            -> the loop checkpoints at the next step boundary and the process
 //               exits with kExitPreempted (5, core/exit_codes.h).
 //   SIGUSR1  -> the loop checkpoints at the next step boundary and goes on.
@@ -28,10 +31,10 @@ class Communicator;
 enum class StopRequest : int {
   kNone = 0,
   kCheckpoint = 1,  // SIGUSR1: checkpoint, continue
-  kPreempt = 2,     // SIGTERM: checkpoint, exit kExitPreempted
+  kPreempt = 2,     // SIGTERM, SIGUSR2: checkpoint, exit kExitPreempted
 };
 
-// Installs the SIGTERM and SIGUSR1 handlers (process-wide, as signal
+// Installs the SIGTERM, SIGUSR1 and SIGUSR2 handlers (process-wide, as signal
 // dispositions are; call once from main). kInternal if sigaction fails.
 absl::Status InstallPreemptionHandlers();
 

@@ -36,6 +36,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_writer.h"
 #include "trainer/metrics.h"
+#include "trainer/preemption.h"
 #include "trainer/progress.h"
 #include "trainer/train_loop.h"
 
@@ -311,6 +312,7 @@ int Main(int argc, char** argv) {
   wopts.keep_every = ckc.keep_every();
   wopts.async = ckc.async();
   CheckpointWriter writer(wopts, ExchangeOverCommunicator(s.pg->host_world()));
+  if (absl::Status sig = InstallPreemptionHandlers(); !sig.ok()) return fail(sig);
 
   // 5. Train. An error on one rank may leave its peers waiting in a
   // collective (a NaN inside one rank's span, a read error, a dead peer), so
@@ -337,6 +339,7 @@ int Main(int argc, char** argv) {
     (*metrics)->SetDeviceMemoryBytes(ResidentBytes() + step.activation_bytes);
   };
   const int64_t total_steps = s.config.run().steps();
+  bool preempted = false;
   auto save = [&](const TrainState& ts) -> absl::Status {
     const auto c0 = std::chrono::steady_clock::now();
     SMAT_ASSIGN_OR_RETURN(CheckpointState ck, MakeCheckpointState(s.config, *s.trainer,
@@ -355,12 +358,23 @@ int Main(int argc, char** argv) {
     // Commits an asynchronous save as soon as every rank has written it (a
     // crash before that loses only that save); collective, hence every step.
     SMAT_RETURN_IF_ERROR(writer.Poll());
+    // SIGTERM/SIGUSR2 (preemption) or SIGUSR1 (checkpoint now) on any rank:
+    // all ranks act at this same step (trainer/preemption.h).
+    SMAT_ASSIGN_OR_RETURN(StopRequest stop, AgreeOnStopRequest(s.pg->host_world()));
     const int64_t every = ckc.every_steps();
-    if (every > 0 && (ts.step % every == 0 || ts.step == total_steps)) return save(ts);
+    if ((every > 0 && (ts.step % every == 0 || ts.step == total_steps)) ||
+        stop != StopRequest::kNone) {
+      SMAT_RETURN_IF_ERROR(save(ts));
+    }
+    if (stop == StopRequest::kPreempt) {
+      preempted = true;
+      return absl::CancelledError(absl::StrCat("preempted at step ", ts.step));
+    }
     return absl::OkStatus();
   };
   const auto t0 = std::chrono::steady_clock::now();
   st = s.trainer->Run(hooks);
+  if (preempted && absl::IsCancelled(st)) st = absl::OkStatus();
   if (st.ok()) st = writer.Finish();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -374,6 +388,11 @@ int Main(int argc, char** argv) {
     }
     if (world == 1) return fail(st);
     AbortAll(st, code, rank);
+  }
+  if (preempted) {
+    progress.Line(absl::StrCat("smat: preempted: checkpoint of step ", s.trainer->state().step,
+                               " written; exiting with code ", kExitPreempted));
+    return kExitPreempted;
   }
   std::string summary = absl::StrCat("smat: done: ", s.trainer->state().step, " steps in ",
                                      FormatDuration(seconds));

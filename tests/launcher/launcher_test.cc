@@ -328,7 +328,7 @@ TEST(SmatLaunch, SigtermStopsTheJobAndRestarting) {
   });
   ASSERT_TRUE(r.finished) << r.output;
   EXPECT_EQ(ExitCode(r), kExitPreempted) << r.output;
-  EXPECT_TRUE(absl::StrContains(r.output, "forwarding SIGTERM")) << r.output;
+  EXPECT_TRUE(absl::StrContains(r.output, "forwarding SIGUSR2")) << r.output;
   EXPECT_TRUE(job.Calls("start", 1).empty()) << "restarted after SIGTERM";
   ASSERT_EQ(rank_pids.size(), 2u);
   for (pid_t p : rank_pids) {

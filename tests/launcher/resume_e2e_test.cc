@@ -7,7 +7,8 @@
 //     byte-identical shard for shard and loads to the same tensors and step;
 //   * every step the restarted attempt logs after its resume point shows the
 //     same loss, learning rate and gradient norm as the uninterrupted run.
-// ARCHITECTURE.md section 5 promises this: fixed-order reductions, a data
+// A second test preempts the job with SIGTERM to the launcher and launches
+// it again. ARCHITECTURE.md section 5 promises this: fixed-order reductions, a data
 // sampler that is a pure function of the step, counter-based random numbers.
 #include <dirent.h>
 #include <signal.h>
@@ -29,6 +30,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/exit_codes.h"
 #include "gtest/gtest.h"
 #include "trainer/checkpoint.h"
 
@@ -58,9 +60,9 @@ class TempDir {
   std::string path_;
 };
 
-std::vector<std::string> LaunchArgs(const std::string& run_dir) {
+std::vector<std::string> LaunchArgs(const std::string& run_dir, int steps = kSteps) {
   return {"--np", "2", "--config", SMAT_SOURCE_DIR "/configs/tiny_cpu.textproto",
-          "--set", "parallel.dp=2", "--set", absl::StrCat("run.steps=", kSteps),
+          "--set", "parallel.dp=2", "--set", absl::StrCat("run.steps=", steps),
           "--set", "optimizer.warmup_steps=2", "--set", "run.log_every=1",
           "--set", "run.eval_every=0", "--set", "data.batch_size=4",
           "--set", absl::StrCat("checkpoint.every_steps=", kEvery),
@@ -136,6 +138,32 @@ pid_t FindRank(const std::string& tag, int rank) {
   return found;
 }
 
+// Checkpoint `step` under dir_a and dir_b: the same tensors, step and cursor,
+// and byte-identical shards (both written by 2 ranks).
+void ExpectSameCheckpoint(const std::string& dir_a, const std::string& dir_b, int step) {
+  SCOPED_TRACE(absl::StrCat("checkpoint step ", step));
+  const std::string a = CheckpointPath(dir_a, step), b = CheckpointPath(dir_b, step);
+  absl::StatusOr<CheckpointState> sa = LoadCheckpoint(a), sb = LoadCheckpoint(b);
+  ASSERT_TRUE(sa.ok()) << sa.status();
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  EXPECT_EQ(sa->step, sb->step);
+  EXPECT_EQ(sa->sampler_cursor, sb->sampler_cursor);
+  ASSERT_EQ(sa->tensors.size(), sb->tensors.size());
+  ASSERT_GT(sa->tensors.size(), 0u);
+  for (size_t i = 0; i < sa->tensors.size(); ++i) {
+    const Tensor& x = sa->tensors[i].tensor;
+    const Tensor& y = sb->tensors[i].tensor;
+    ASSERT_EQ(sa->tensors[i].name, sb->tensors[i].name);
+    ASSERT_EQ(x.nbytes(), y.nbytes());
+    EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
+        << "tensor " << sa->tensors[i].name << " differs";
+  }
+  for (int shard = 0; shard < 2; ++shard) {
+    EXPECT_EQ(ReadFile(a + "/" + ShardFileName(shard)), ReadFile(b + "/" + ShardFileName(shard)))
+        << "shard " << shard;
+  }
+}
+
 TEST(ResumeE2E, KilledRankIsRestartedAndTheRunMatchesAnUninterruptedOne) {
   setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
@@ -204,30 +232,66 @@ TEST(ResumeE2E, KilledRankIsRestartedAndTheRunMatchesAnUninterruptedOne) {
   // Every checkpoint both runs hold: the same bytes and tensors.
   int compared = 0;
   for (int step = kEvery; step <= kSteps; step += kEvery) {
-    const std::string a = CheckpointPath(ref + "/checkpoints", step);
-    const std::string b = CheckpointPath(run + "/checkpoints", step);
-    absl::StatusOr<CheckpointState> sa = LoadCheckpoint(a), sb = LoadCheckpoint(b);
-    ASSERT_TRUE(sa.ok()) << sa.status();
-    ASSERT_TRUE(sb.ok()) << sb.status();
-    EXPECT_EQ(sa->step, sb->step);
-    EXPECT_EQ(sa->sampler_cursor, sb->sampler_cursor);
-    ASSERT_EQ(sa->tensors.size(), sb->tensors.size());
-    ASSERT_GT(sa->tensors.size(), 0u);
-    for (size_t i = 0; i < sa->tensors.size(); ++i) {
-      const Tensor& x = sa->tensors[i].tensor;
-      const Tensor& y = sb->tensors[i].tensor;
-      ASSERT_EQ(sa->tensors[i].name, sb->tensors[i].name);
-      ASSERT_EQ(x.nbytes(), y.nbytes());
-      EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
-          << "step " << step << ": tensor " << sa->tensors[i].name << " differs";
-    }
-    for (int shard = 0; shard < 2; ++shard) {
-      EXPECT_EQ(ReadFile(a + "/" + ShardFileName(shard)), ReadFile(b + "/" + ShardFileName(shard)))
-          << "step " << step << " shard " << shard;
-    }
+    ExpectSameCheckpoint(ref + "/checkpoints", run + "/checkpoints", step);
     ++compared;
   }
   EXPECT_EQ(compared, kSteps / kEvery);
+}
+
+// SIGTERM to smat_launch: the ranks get SIGUSR2 through mpirun, agree on a
+// step, checkpoint it and exit 5; no restart. Launched again, the job resumes
+// there and ends exactly where an uninterrupted run ends.
+TEST(ResumeE2E, SigtermToTheLauncherCheckpointsAndTheRelaunchMatches) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+  constexpr int kLongSteps = 24;
+  TempDir dir;
+  const std::string ref = dir.path() + "/reference", run = dir.path() + "/preempted";
+  std::vector<std::string> args = LaunchArgs(ref, kLongSteps);
+  args.insert(args.end(), {"--max_restarts", "0"});
+  ASSERT_EQ(RunLauncher(args, dir.path() + "/reference.out", 120), 0)
+      << ReadFile(dir.path() + "/reference.out");
+  const std::map<int, std::string> ref_steps = StepFigures(ReadFile(ref + "/launch/attempt_0.log"));
+
+  args = LaunchArgs(run, kLongSteps);
+  args.insert(args.end(), {"--max_restarts", "3", "--backoff", "0", "--stop_grace", "60"});
+  const std::string out = dir.path() + "/preempted.out";
+  bool signalled = false;
+  const int code = RunLauncher(args, out, 120, [&](pid_t launcher) {
+    for (int i = 0; i < 3000 && !signalled; ++i) {
+      const std::map<int, std::string> seen = StepFigures(ReadFile(out));
+      if (!seen.empty() && seen.rbegin()->first >= 4) signalled = kill(launcher, SIGTERM) == 0;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  const std::string output = ReadFile(out);
+  ASSERT_TRUE(signalled) << output;
+  ASSERT_EQ(code, kExitPreempted) << output;
+  const size_t at = output.find("smat: preempted: checkpoint of step ");
+  ASSERT_NE(at, std::string::npos) << output;
+  int preempted_at = -1;
+  ASSERT_TRUE(absl::SimpleAtoi(output.substr(at + 36, output.find(' ', at + 36) - at - 36),
+                               &preempted_at)) << output;
+  EXPECT_GE(preempted_at, 4);
+  EXPECT_LT(preempted_at, kLongSteps) << "the job ended before the signal";
+  EXPECT_TRUE(ReadFile(run + "/launch/attempt_1.log").empty()) << "restarted after SIGTERM";
+  absl::StatusOr<std::string> latest = FindLatestIntact(run + "/checkpoints");
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, CheckpointPath(run + "/checkpoints", preempted_at));
+
+  // Launched again: resumes at the preemption step and finishes identically.
+  args = LaunchArgs(run, kLongSteps);
+  args.insert(args.end(), {"--max_restarts", "0", "--log_dir", run + "/relaunch"});
+  ASSERT_EQ(RunLauncher(args, dir.path() + "/relaunch.out", 120), 0)
+      << ReadFile(dir.path() + "/relaunch.out");
+  const std::string log = ReadFile(run + "/relaunch/attempt_0.log");
+  EXPECT_TRUE(absl::StrContains(log, absl::StrCat("at step ", preempted_at))) << log;
+  const std::map<int, std::string> steps = StepFigures(log);
+  ASSERT_FALSE(steps.empty()) << log;
+  EXPECT_EQ(steps.begin()->first, preempted_at + 1);
+  for (const auto& [step, figures] : steps) EXPECT_EQ(figures, ref_steps.at(step)) << "step " << step;
+  ExpectSameCheckpoint(ref + "/checkpoints", run + "/checkpoints", kLongSteps);
 }
 
 }  // namespace
