@@ -307,14 +307,6 @@ __global__ void ChunkKeyBackwardKernel(SmatCudaDims d, int tile, const void* __r
 // compare the two in one process).
 constexpr bool kFastTilesByDefault = true;
 
-bool UseFastTiles(const SmatCudaDims& d) {
-  if (!SmatChunkFastTilesFit(d)) return false;
-  const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
-  if (env != nullptr && std::strcmp(env, "general") == 0) return false;
-  if (env != nullptr && std::strcmp(env, "fast") == 0) return true;
-  return kFastTilesByDefault;
-}
-
 template <class Kernel>
 cudaError_t Prepare(Kernel kernel, size_t smem) {
   if (smem <= 48 * 1024) return cudaSuccess;
@@ -323,6 +315,14 @@ cudaError_t Prepare(Kernel kernel, size_t smem) {
 }
 
 }  // namespace
+
+bool SmatUseFastChunkTiles(const SmatCudaDims& d) {
+  if (!SmatChunkFastTilesFit(d)) return false;
+  const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
+  if (env != nullptr && std::strcmp(env, "general") == 0) return false;
+  if (env != nullptr && std::strcmp(env, "fast") == 0) return true;
+  return kFastTilesByDefault;
+}
 
 int SmatChunkTileRows(const SmatCudaDims& d, int64_t smem_limit, bool backward_keys) {
   for (int tile : {64, 32, 16}) {
@@ -342,7 +342,9 @@ cudaError_t LaunchSmatChunkOutputs(const SmatCudaDims& d, int tile, const void* 
                                    const void* psi, const void* v, const float* lam,
                                    const float* S_in, float* ybar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (UseFastTiles(d)) return LaunchSmatChunkOutputsFast(d, phi, psi, v, lam, S_in, ybar, stream);
+  if (SmatUseFastChunkTiles(d)) {
+    return LaunchSmatChunkOutputsFast(d, phi, psi, v, lam, S_in, ybar, stream);
+  }
   const size_t smem = sizeof(float) * SmemFloats(d, tile, ChunkKernel::kForward);
   cudaError_t err = Prepare(ChunkOutputsKernel, smem);
   if (err != cudaSuccess) return err;
@@ -359,7 +361,7 @@ cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& d, int query_tile
                                            const float* D_bar, float* phi_bar, float* psi_bar,
                                            float* v_bar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (UseFastTiles(d)) {
+  if (SmatUseFastChunkTiles(d)) {
     return LaunchSmatChunkOutputsBackwardFast(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
                                               phi_bar, psi_bar, v_bar, stream);
   }

@@ -171,13 +171,30 @@ cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& dims, int query_t
 
 // ---- smat_chunk_fast.cu ---------------------------------------------------------
 
-// The fast chunk tiles (one block per chunk and head, whole chunk in shared
-// memory, vectorized staging) apply when c <= 128 and r, dv <= 64; the two
-// launchers above use them then, unless the environment variable
-// SMAT_CUDA_CHUNK_TILES is "general" (the general kernels, kept as the
-// reference and for larger sizes).
+// The fast tiles (chunk tiles: one block per chunk and head, the whole chunk in
+// shared memory; grouped products: 128 tokens at a time; 16-byte staging and
+// register-blocked FFMA throughout) apply when c <= 128 and r, dv <= 64; the
+// chunk-tile, outer-sum and read launchers above use them then, unless the
+// environment variable SMAT_CUDA_CHUNK_TILES is "general" (the general
+// kernels, kept as the reference and for larger sizes).
 bool SmatChunkFastTilesFit(const SmatCudaDims& dims);
+// SmatChunkFastTilesFit and not overridden by SMAT_CUDA_CHUNK_TILES (smat_chunk.cu).
+bool SmatUseFastChunkTiles(const SmatCudaDims& dims);
 int64_t SmatChunkFastTilesSmemBytes();
+// LaunchSmatGroupedOuterSum and LaunchSmatGroupedReads with 128 tokens of a
+// group at a time as one tile product (r, dv <= 64); used by those launchers
+// when SmatUseFastChunkTiles.
+cudaError_t LaunchSmatGroupedOuterSumFast(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                          int segments, const void* a, const void* b,
+                                          bool b_is_v, const SmatTokenWeights& w,
+                                          const SmatMatrixLayout& out_layout, float* out,
+                                          cudaStream_t stream);
+cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                       int segments, SmatReadKind kind, const float* M,
+                                       const SmatMatrixLayout& m_layout, const void* a,
+                                       const void* v, const float* g, const SmatTokenWeights& w,
+                                       float* out_p, float* out_r, float* out_v,
+                                       cudaStream_t stream);
 cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& dims, const void* phi, const void* psi,
                                        const void* v, const float* lam, const float* S_in,
                                        float* ybar, cudaStream_t stream);

@@ -3,7 +3,8 @@
 // 2; the chunk state gradients and the type-table gradient of eq. 18-19), the
 // per-token reads against a group's r x p matrix (per-type reads, step 4, and
 // their adjoints), the implicit incidence tabulation of Algorithm 2 and its
-// adjoint, and the stable counting sort that groups tokens under content maps.
+// adjoint (a column tile of the input per block when it fits shared memory),
+// and the stable counting sort that groups tokens under content maps.
 //
 // Work is spread over (segment, group, b * H) blocks rather than one block per
 // head: a group's token list is cut into equal segments whose partial sums are
@@ -11,6 +12,10 @@
 // profile holding every distant token) fills the GPU and the sum order is fixed.
 // Positional groups are arithmetic progressions (no sort); content groups come
 // from LaunchSmatGroupByContent. No floating-point atomics.
+//
+// For r, dv <= 64 (and c <= 128) the outer sums and the per-token reads run as
+// 128-token tile products in smat_chunk_fast.cu instead (see
+// SmatUseFastChunkTiles); the kernels here serve the other sizes.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -187,6 +192,46 @@ __global__ void TabulateKernel(int64_t W, int64_t g_in, int64_t g_out,
   out[(bh * g_out + g) * W + w] = acc;
 }
 
+// grid (ceil(W / kTabCols), batch_heads), kTabThreads threads: the block holds
+// in[bh, :, w0 : w0 + kTabCols] (g_in x kTabCols floats) in shared memory and
+// forms every output group from it, so `in` is read from memory once rather
+// than once per list entry. Same sums, same order as TabulateKernel.
+constexpr int kTabCols = 8;
+constexpr int kTabThreads = 512;
+
+__global__ void __launch_bounds__(kTabThreads)
+    TabulateColumnsKernel(int64_t W, int64_t g_in, int64_t g_out,
+                          const int32_t* __restrict__ offsets, const int32_t* __restrict__ items,
+                          const float* __restrict__ in, float* __restrict__ out) {
+  extern __shared__ float tab[];  // [g_in][kTabCols]
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTabCols, bh = blockIdx.y;
+  const int nc = static_cast<int>(cuda_detail::Min64(kTabCols, W - w0));
+  const float* base = in + bh * g_in * W + w0;
+  const int64_t total = g_in * kTabCols;
+  constexpr int kUnroll = 8;  // loads in flight per thread
+  for (int64_t e0 = threadIdx.x; e0 < total; e0 += kTabThreads * kUnroll) {
+    float x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t e = e0 + u * kTabThreads;
+      const int c = static_cast<int>(e & (kTabCols - 1));
+      x[u] = e < total && c < nc ? __ldg(&base[(e / kTabCols) * W + c]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t e = e0 + u * kTabThreads;
+      if (e < total) tab[e] = x[u];
+    }
+  }
+  __syncthreads();
+  const int c = threadIdx.x & (kTabCols - 1);
+  for (int64_t g = threadIdx.x / kTabCols; g < g_out; g += kTabThreads / kTabCols) {
+    float acc = 0.f;
+    for (int32_t j = offsets[g]; j < offsets[g + 1]; ++j) acc += tab[items[j] * kTabCols + c];
+    if (c < nc) out[(bh * g_out + g) * W + w0 + c] = acc;
+  }
+}
+
 // One warp per (b, h): count, exclusive offsets, then a stable placement in
 // token order (ranks inside a 32-token step from __match_any_sync).
 __global__ void GroupByContentKernel(SmatCudaDims d, const int32_t* __restrict__ map,
@@ -235,6 +280,9 @@ cudaError_t LaunchSmatGroupedOuterSum(const SmatCudaDims& d, const SmatTokenGrou
                                       const SmatTokenWeights& w, const SmatMatrixLayout& lay,
                                       float* out, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatUseFastChunkTiles(d)) {
+    return LaunchSmatGroupedOuterSumFast(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
+  }
   const size_t smem = sizeof(float) * (kTokenTile * (d.r + d.p) + kTokenTile);
   const dim3 grid(segments, groups.num_groups, d.batch * d.H);
   GroupedOuterSumKernel<<<grid, kThreads, smem, stream>>>(d, groups, segments, a, b, b_is_v, w,
@@ -258,6 +306,10 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
                                    const float* g, const SmatTokenWeights& w, float* out_p,
                                    float* out_r, float* out_v, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatUseFastChunkTiles(d)) {
+    return LaunchSmatGroupedReadsFast(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
+                                      out_v, stream);
+  }
   const size_t smem = sizeof(float) * (static_cast<size_t>(d.r) * PadOdd(d.p) +
                                        (kThreads / 32) * (d.r + d.p));
   if (smem > 48 * 1024) {
@@ -275,6 +327,24 @@ cudaError_t LaunchSmatTabulate(int64_t batch_heads, int64_t W, int64_t g_in, int
                                const int32_t* offsets, const int32_t* items, const float* in,
                                float* out, cudaStream_t stream) {
   if (batch_heads == 0 || g_out == 0 || W == 0) return cudaSuccess;
+  // The column-tile kernel when a tile of `in` fits one block's shared memory
+  // (d = 3 at T = 524288: g_in = 4489 profiles, 144 KB).
+  int device = 0, smem_limit = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const int64_t smem = static_cast<int64_t>(sizeof(float)) * kTabCols * g_in;
+  if (g_in > 0 && smem <= smem_limit) {
+    err = cudaFuncSetAttribute(TabulateColumnsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    const dim3 tiles(static_cast<unsigned>((W + kTabCols - 1) / kTabCols),
+                     static_cast<unsigned>(batch_heads));
+    TabulateColumnsKernel<<<tiles, kTabThreads, static_cast<size_t>(smem), stream>>>(
+        W, g_in, g_out, offsets, items, in, out);
+    return cudaGetLastError();
+  }
   const dim3 grid(static_cast<unsigned>((W + kThreads - 1) / kThreads),
                   static_cast<unsigned>(g_out), static_cast<unsigned>(batch_heads));
   TabulateKernel<<<grid, kThreads, 0, stream>>>(W, g_in, g_out, offsets, items, in, out);
