@@ -279,11 +279,12 @@ void TrainingMetrics::Build(const std::string& job, int rank, double restarts) {
   grad_norm_ = gauge("smat_grad_norm", "Global gradient norm of the newest step, before clipping.");
   learning_rate_ = gauge("smat_learning_rate", "Learning rate of the newest step.");
   checkpoint_duration_ = gauge("smat_checkpoint_duration_seconds",
-                               "Duration of the newest checkpoint save, start to commit.");
+                               "Duration of the newest checkpoint save as the training loop waited for it "
+                               "(asynchronous saves: the copy out, the write overlaps later steps).");
   checkpoint_bytes_ = gauge("smat_checkpoint_bytes",
                             "Bytes this rank wrote for the newest checkpoint.");
   last_checkpoint_time_ = gauge("smat_last_checkpoint_timestamp_seconds",
-                                "Unix time the newest checkpoint was committed (0: none yet).");
+                                "Unix time of the newest checkpoint save (0: none yet).");
   restarts_ = counter("smat_restarts_total",
                       "Restarts of this job by smat_launch (from SMAT_RESTART_COUNT).");
   device_memory_ = gauge("smat_device_memory_bytes", "Memory in use on this rank's device.");

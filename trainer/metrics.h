@@ -14,9 +14,9 @@
 //   smat_comm_seconds_total{op}             counter    time in collectives, per kind
 //   smat_comm_bytes_total{op}               counter    bytes this rank sent, per kind
 //   smat_grad_norm, smat_learning_rate      gauges
-//   smat_checkpoint_duration_seconds        gauge      duration of the newest save
-//   smat_checkpoint_bytes                   gauge      bytes this rank wrote for it
-//   smat_last_checkpoint_timestamp_seconds  gauge      Unix time it was committed
+//   smat_checkpoint_duration_seconds        gauge      time the loop waited for the newest save
+//   smat_checkpoint_bytes                   gauge      bytes this rank wrote for a save
+//   smat_last_checkpoint_timestamp_seconds  gauge      Unix time of the newest save
 //   smat_restarts_total                     counter    job restarts ($SMAT_RESTART_COUNT)
 //   smat_device_memory_bytes                gauge      memory in use on the rank's device
 //   smat_start_time_seconds                 gauge      Unix time this process started
@@ -96,9 +96,10 @@ struct StepRecord {
 // A committed checkpoint, for RecordCheckpoint.
 struct CheckpointRecord {
   int64_t step = 0;
-  double seconds = 0;              // from the start of the save to its commit
-  int64_t bytes = 0;               // bytes this rank wrote
-  double unix_time_seconds = 0;    // when it was committed (0: now)
+  double seconds = 0;              // how long the training loop waited for the save
+                                   // (asynchronous saves: the copy; synchronous: all)
+  int64_t bytes = 0;               // bytes this rank wrote (the newest committed shard)
+  double unix_time_seconds = 0;    // when it was saved (0: now)
 };
 
 class TrainingMetrics {
