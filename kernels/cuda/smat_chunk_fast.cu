@@ -1,8 +1,11 @@
-// Chunk-local tiles of CUDA SMat-Attention, the fast path: F6 (eq. 10 gated by
-// Lemma 4) and its adjoint B7 (eq. 19 of Appendix E) with one block of 256
-// threads per (chunk, b * H) and the whole chunk (c <= 128 tokens, r and
-// dv <= 64) staged once in shared memory. smat_chunk.cu holds the general
-// kernels (any c, r, dv) and picks this path when the sizes fit.
+// The fast path of the CUDA SMat-Attention tiles (c <= 128 tokens, r and
+// dv <= 64): the chunk-local tiles F6 (eq. 10 gated by Lemma 4) and their
+// adjoint B7 (eq. 19 of Appendix E) with one block of 256 threads per
+// (chunk, b * H) and the whole chunk staged once in shared memory; and, with
+// the same staging and product code, the grouped outer sums (F2, profile
+// pooling, B5, the type-table gradient) and per-token reads (F7, B2, B4), 128
+// tokens of a group at a time. smat_chunk.cu and smat_grouped.cu hold the
+// general kernels (any c, r, dv) and pick this path when the sizes fit.
 //
 // Every tile here has the same shape, so one kernel template serves all four:
 //   X[row][col] = gate * (P[:, row] . Q[:, col]), masked to s <= t   (score)
