@@ -49,8 +49,8 @@ absl::StatusOr<std::vector<HostSlots>> ReadHostfile(const std::string& path) {
       absl::string_view w = words[i];
       if (absl::ConsumePrefix(&w, "slots=")) {
         if (!absl::SimpleAtoi(w, &h.slots) || h.slots <= 0) {
-          return absl::InvalidArgumentError(absl::StrCat(path, ":", lineno, ": bad slot count '",
-                                                         words[i], "'"));
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ":", lineno, ": bad slot count '", words[i], "'"));
         }
       } else if (!absl::StartsWith(w, "max_slots=") && !absl::StartsWith(w, "max-slots=")) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -59,7 +59,8 @@ absl::StatusOr<std::vector<HostSlots>> ReadHostfile(const std::string& path) {
     }
     out.push_back(h);
   }
-  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--hostfile '", path, "' lists no hosts"));
+  if (out.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--hostfile '", path, "' lists no hosts"));
   return out;
 }
 

@@ -34,13 +34,13 @@ int TotalSlots(const std::vector<HostSlots>& hosts);
 struct JobCommand {
   std::string mpirun = "mpirun";
   int np = 1;
-  std::string hosts;     // --host value, or empty
-  std::string hostfile;  // --hostfile value, or empty
+  std::string hosts;                     // --host value, or empty
+  std::string hostfile;                  // --hostfile value, or empty
   std::vector<std::string> exports;      // -x values: "VAR" or "VAR=value"
   std::vector<std::string> mpirun_args;  // passed to mpirun as they are
   std::string train;                     // smat_train
   std::string config;
-  std::vector<std::string> sets;         // --set values, forwarded in order
+  std::vector<std::string> sets;  // --set values, forwarded in order
 };
 
 // argv of attempt `attempt` (restarts add --set checkpoint.resume=auto).

@@ -194,8 +194,8 @@ absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
   }
   job.np = f.np > 0 ? f.np : (slots > 0 ? slots : 1);
   if (slots > 0 && job.np > slots) {
-    return absl::InvalidArgumentError(absl::StrCat("--np ", job.np, " exceeds the ", slots,
-                                                   " slots of the hosts given"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--np ", job.np, " exceeds the ", slots, " slots of the hosts given"));
   }
   const int grid = config.parallel().dp() * config.parallel().sp();
   if (grid != job.np) {

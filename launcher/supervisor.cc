@@ -142,7 +142,8 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
   const std::string log_path = absl::StrCat(options_.log_dir, "/attempt_", attempt, ".log");
   std::FILE* log = std::fopen(log_path.c_str(), "w");
   std::fprintf(stderr, "smat_launch: attempt %d: %s\n", attempt, ShellJoin(argv).c_str());
-  if (log != nullptr) std::fprintf(log, "smat_launch: attempt %d: %s\n", attempt, ShellJoin(argv).c_str());
+  if (log != nullptr)
+    std::fprintf(log, "smat_launch: attempt %d: %s\n", attempt, ShellJoin(argv).c_str());
 
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) {
@@ -171,7 +172,8 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
   ::close(fds[1]);
   if (child < 0) {
     ::close(fds[0]);
-    rec.exit = {AttemptOutcome::kStop, kExitFailure, absl::StrCat("fork failed: ", std::strerror(errno))};
+    rec.exit = {AttemptOutcome::kStop, kExitFailure,
+                absl::StrCat("fork failed: ", std::strerror(errno))};
     if (log != nullptr) std::fclose(log);
     return rec;
   }
@@ -188,7 +190,8 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
     if (StopRequested() && !forwarded) {
       std::fprintf(stderr,
                    "smat_launch: stop requested: forwarding SIGUSR2 (checkpoint and exit) to the "
-                   "job (mpirun pid %d)\n", child);
+                   "job (mpirun pid %d)\n",
+                   child);
       ::kill(child, SIGUSR2);
       forwarded = true;
       forwarded_at = Now();
@@ -262,8 +265,8 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
 
 int Supervisor::Run() {
   for (int attempt = 0;; ++attempt) {
-    const double backoff = BackoffSeconds(options_.backoff_seconds, options_.backoff_max_seconds,
-                                          attempt);
+    const double backoff =
+        BackoffSeconds(options_.backoff_seconds, options_.backoff_max_seconds, attempt);
     if (backoff > 0) {
       std::fprintf(stderr, "smat_launch: restart %d of %d in %.1f s\n", attempt,
                    options_.max_restarts, backoff);
@@ -289,8 +292,8 @@ int Supervisor::Run() {
         return rec.exit.code > 0 && rec.exit.code < 128 ? rec.exit.code : kExitFailure;
       case AttemptOutcome::kRetry:
         if (attempt >= options_.max_restarts) {
-          result_ = absl::StrCat("gave up after ", options_.max_restarts,
-                                 " restart(s) (--max_restarts)");
+          result_ =
+              absl::StrCat("gave up after ", options_.max_restarts, " restart(s) (--max_restarts)");
           return kExitRetryable;
         }
         break;

@@ -34,10 +34,10 @@ namespace smat {
 struct SupervisorOptions {
   JobCommand job;
   int max_restarts = 3;
-  double backoff_seconds = 10;      // before the first restart
-  double backoff_max_seconds = 300; // cap of the exponential growth
-  std::string log_dir;              // attempt_N.log and summary.txt
-  std::string checkpoint_dir;       // where `latest` is read; empty: not known
+  double backoff_seconds = 10;       // before the first restart
+  double backoff_max_seconds = 300;  // cap of the exponential growth
+  std::string log_dir;               // attempt_N.log and summary.txt
+  std::string checkpoint_dir;        // where `latest` is read; empty: not known
   // After forwarding SIGUSR2, how long the job gets to checkpoint and exit
   // before SIGTERM.
   double stop_grace_seconds = 120;
@@ -67,8 +67,8 @@ struct AttemptRecord {
   double start_s = 0, end_s = 0;  // since the supervisor started
   double backoff_s = 0;           // waited before it started
   int64_t first_step = -1, last_step = -1;
-  double first_step_s = -1;       // when its first step line arrived
-  int64_t checkpoint_step = -1;   // `latest` when it ended
+  double first_step_s = -1;      // when its first step line arrived
+  int64_t checkpoint_step = -1;  // `latest` when it ended
 };
 
 class Supervisor {

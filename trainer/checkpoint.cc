@@ -100,8 +100,7 @@ absl::Status RemoveTree(const std::string& path) {
     SMAT_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDirectory(path));
     for (const std::string& name : names) SMAT_RETURN_IF_ERROR(RemoveTree(path + "/" + name));
     if (::rmdir(path.c_str()) != 0 && errno != ENOENT) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot remove '", path, "': ", ErrnoText(errno)));
+      return absl::UnavailableError(absl::StrCat("cannot remove '", path, "': ", ErrnoText(errno)));
     }
   } else if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     return absl::UnavailableError(absl::StrCat("cannot remove '", path, "': ", ErrnoText(errno)));
@@ -141,15 +140,15 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& path) {
   }
   CheckpointManifest manifest;
   if (!manifest.ParseFromString(envelope.manifest())) {
-    return absl::DataLossError(
-        absl::StrCat("checkpoint manifest '", file, "': CRC matches but the manifest does not "
-                     "parse (written by an incompatible smat?)"));
+    return absl::DataLossError(absl::StrCat("checkpoint manifest '", file,
+                                            "': CRC matches but the manifest does not "
+                                            "parse (written by an incompatible smat?)"));
   }
   if (manifest.format_version() != kCheckpointFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint manifest '", file, "' has format version ", manifest.format_version(),
-        "; this smat reads version ", kCheckpointFormatVersion,
-        ": load it with the smat that wrote it"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint manifest '", file, "' has format version ",
+                     manifest.format_version(), "; this smat reads version ",
+                     kCheckpointFormatVersion, ": load it with the smat that wrote it"));
   }
   // The tensor table must fit in the shards it names.
   for (const CheckpointTensor& t : manifest.tensors()) {
@@ -164,10 +163,9 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& path) {
     if (!dtype.ok() || bad_shard || bad_shape ||
         t.nbytes() != static_cast<uint64_t>(numel) * DTypeSize(*dtype) ||
         t.offset() + t.nbytes() > manifest.shards(t.shard()).bytes()) {
-      return absl::DataLossError(absl::StrCat("checkpoint manifest '", file, "': tensor '",
-                                              t.name(), "' does not fit its shard ", t.shard(),
-                                              " (dtype ", t.dtype(), ", offset ", t.offset(),
-                                              ", ", t.nbytes(), " bytes)"));
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint manifest '", file, "': tensor '", t.name(), "' does not fit its shard ",
+          t.shard(), " (dtype ", t.dtype(), ", offset ", t.offset(), ", ", t.nbytes(), " bytes)"));
     }
   }
   return manifest;
@@ -180,8 +178,8 @@ absl::StatusOr<std::string> ReadShard(const std::string& path, const CheckpointM
   const std::string file = path + "/" + shard.file();
   absl::StatusOr<std::string> bytes = ReadWholeFile(file);
   if (!bytes.ok()) {
-    return absl::DataLossError(absl::StrCat("checkpoint shard '", file, "' listed in the manifest: ",
-                                            bytes.status().message()));
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint shard '", file, "' listed in the manifest: ", bytes.status().message()));
   }
   if (bytes->size() != shard.bytes()) {
     return absl::DataLossError(absl::StrCat("checkpoint shard '", file, "' has ", bytes->size(),
@@ -258,15 +256,14 @@ absl::StatusOr<std::string> FindLatestIntact(const std::string& dir,
     const std::string path = CheckpointPath(dir, *it);
     absl::StatusOr<CheckpointManifest> m = VerifyCheckpoint(path);
     if (m.ok() && m->step() == *it) return path;
-    const std::string why =
-        m.ok() ? absl::StrCat("checkpoint '", path, "' holds step ", m->step(),
-                              ", not the step of its name")
-               : std::string(m.status().message());
+    const std::string why = m.ok() ? absl::StrCat("checkpoint '", path, "' holds step ", m->step(),
+                                                  ", not the step of its name")
+                                   : std::string(m.status().message());
     std::fprintf(stderr, "smat: skipping damaged checkpoint: %s\n", why.c_str());
     if (skipped != nullptr) skipped->push_back(why);
   }
-  return absl::NotFoundError(absl::StrCat("no intact checkpoint under '", dir, "' (",
-                                          steps.size(), " checkpoint directories found)"));
+  return absl::NotFoundError(absl::StrCat("no intact checkpoint under '", dir, "' (", steps.size(),
+                                          " checkpoint directories found)"));
 }
 
 absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
@@ -291,7 +288,8 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
     SMAT_ASSIGN_OR_RETURN(DType dtype, ParseDType(t.dtype()));
     SMAT_ASSIGN_OR_RETURN(Tensor tensor,
                           Tensor::Empty(Shape(t.shape().begin(), t.shape().end()), dtype));
-    if (t.nbytes() > 0) std::memcpy(tensor.raw(), shards[t.shard()].data() + t.offset(), t.nbytes());
+    if (t.nbytes() > 0)
+      std::memcpy(tensor.raw(), shards[t.shard()].data() + t.offset(), t.nbytes());
     state.tensors.push_back({t.name(), std::move(tensor)});
   }
   return state;
@@ -319,9 +317,9 @@ absl::Status ApplyRetention(const std::string& dir, int keep_last, int64_t keep_
 absl::Status RemoveStaleTemporaries(const std::string& dir, int64_t keep_step,
                                     const std::string& keep_attempt) {
   SMAT_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDirectory(dir));
-  const std::string keep = keep_step >= 0
-                               ? absl::StrCat(CheckpointDirName(keep_step), kTempMarker, keep_attempt)
-                               : std::string();
+  const std::string keep =
+      keep_step >= 0 ? absl::StrCat(CheckpointDirName(keep_step), kTempMarker, keep_attempt)
+                     : std::string();
   for (const std::string& name : names) {
     if (!absl::StartsWith(name, kStepPrefix) || !absl::StrContains(name, kTempMarker)) continue;
     if (name == keep) continue;
@@ -358,8 +356,8 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& byt
       const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
-        return absl::UnavailableError(absl::StrCat("checkpoint: writing '", tmp, "' failed: ",
-                                                   ErrnoText(errno), " (disk full?)"));
+        return absl::UnavailableError(absl::StrCat(
+            "checkpoint: writing '", tmp, "' failed: ", ErrnoText(errno), " (disk full?)"));
       }
       done += static_cast<size_t>(n);
     }
@@ -369,8 +367,8 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& byt
     }
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::UnavailableError(absl::StrCat("checkpoint: cannot rename '", tmp, "' to '", path,
-                                               "': ", ErrnoText(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("checkpoint: cannot rename '", tmp, "' to '", path, "': ", ErrnoText(errno)));
   }
   return FsyncDirectory(ParentDirectory(path));
 }

@@ -26,7 +26,13 @@
 namespace smat {
 namespace {
 
-enum class FaultPhase : int { kNone = 0, kWritingShards, kAfterShards, kAfterManifest, kAfterRename };
+enum class FaultPhase : int {
+  kNone = 0,
+  kWritingShards,
+  kAfterShards,
+  kAfterManifest,
+  kAfterRename
+};
 
 struct CheckpointFault {
   FaultPhase phase = FaultPhase::kNone;
@@ -126,7 +132,9 @@ absl::Status WriteDurableFile(const std::string& path, const char* bytes, size_t
   return s;
 }
 
-uint64_t AlignUp(uint64_t x) { return (x + kShardAlignment - 1) / kShardAlignment * kShardAlignment; }
+uint64_t AlignUp(uint64_t x) {
+  return (x + kShardAlignment - 1) / kShardAlignment * kShardAlignment;
+}
 
 }  // namespace
 
@@ -219,8 +227,9 @@ absl::Status CheckpointWriter::Save(const CheckpointState& state) {
   std::set<std::string> names;
   for (const NamedTensor& t : state.tensors) {
     if (t.name.empty() || !names.insert(t.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "checkpoint: tensor names must be unique and non-empty; got '", t.name, "' twice or empty"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint: tensor names must be unique and non-empty; got '", t.name,
+                       "' twice or empty"));
     }
     if (!t.tensor.device().is_cpu() || (!t.tensor.defined() && t.tensor.numel() != 0)) {
       return absl::InvalidArgumentError(absl::StrCat("checkpoint: tensor '", t.name, "' is ",
@@ -330,8 +339,8 @@ absl::Status CheckpointWriter::Commit() {
       }
       envelope.set_crc32(Crc32(0, envelope.manifest().data(), envelope.manifest().size()));
       const std::string bytes = envelope.SerializeAsString();
-      SMAT_RETURN_IF_ERROR(WriteDurableFile(p->tmp_path + "/" + kManifestFileName, bytes.data(),
-                                            bytes.size()));
+      SMAT_RETURN_IF_ERROR(
+          WriteDurableFile(p->tmp_path + "/" + kManifestFileName, bytes.data(), bytes.size()));
       SMAT_RETURN_IF_ERROR(FsyncDirectory(p->tmp_path));
       MaybeInjectFault(p->fault, FaultPhase::kAfterManifest, p->step, p->rank);
       // Saving a step that is already committed (a run resumed there and saved
@@ -352,8 +361,8 @@ absl::Status CheckpointWriter::Commit() {
       }
       SMAT_RETURN_IF_ERROR(FsyncDirectory(p->dir));
       MaybeInjectFault(p->fault, FaultPhase::kAfterRename, p->step, p->rank);
-      SMAT_RETURN_IF_ERROR(WriteFileAtomically(p->dir + "/" + kLatestFileName,
-                                               CheckpointDirName(p->step) + "\n"));
+      SMAT_RETURN_IF_ERROR(
+          WriteFileAtomically(p->dir + "/" + kLatestFileName, CheckpointDirName(p->step) + "\n"));
       SMAT_RETURN_IF_ERROR(ApplyRetention(p->dir, options_.keep_last, options_.keep_every));
       return RemoveStaleTemporaries(p->dir);
     }();
@@ -362,8 +371,8 @@ absl::Status CheckpointWriter::Commit() {
   // Every rank learns rank 0's verdict, so all of them fail or none does.
   SMAT_ASSIGN_OR_RETURN(std::vector<int64_t> verdicts, exchange_(status.ok() ? 0 : 1));
   if (status.ok() && verdicts[0] != 0) {
-    status = absl::UnavailableError(
-        absl::StrCat(what, ": rank 0 could not commit it (see its log)"));
+    status =
+        absl::UnavailableError(absl::StrCat(what, ": rank 0 could not commit it (see its log)"));
   }
   if (!status.ok()) return status;
   last_committed_step_ = p->step;

@@ -71,12 +71,12 @@ CheckpointExchange SingleProcessExchange();
 CheckpointExchange ExchangeOverCommunicator(Communicator& comm);
 
 struct CheckpointWriterOptions {
-  std::string dir;          // checkpoint.dir; created when absent
-  int rank = 0;             // world rank and size: shard count = size
+  std::string dir;  // checkpoint.dir; created when absent
+  int rank = 0;     // world rank and size: shard count = size
   int world_size = 1;
-  int keep_last = 3;        // checkpoint.keep_last; <= 0 keeps all
-  int64_t keep_every = 0;   // checkpoint.keep_every; 0: none kept for good
-  bool async = true;        // checkpoint.async
+  int keep_last = 3;       // checkpoint.keep_last; <= 0 keeps all
+  int64_t keep_every = 0;  // checkpoint.keep_every; 0: none kept for good
+  bool async = true;       // checkpoint.async
   // Launch attempt (SMAT_RESTART_COUNT), the suffix of temporary directories:
   // a rerun never writes into what a crashed attempt left.
   std::string attempt = "0";

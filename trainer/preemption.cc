@@ -35,8 +35,8 @@ absl::Status InstallPreemptionHandlers() {
   sa.sa_flags = SA_RESTART;  // a write or read in flight continues after the handler
   for (int sig : {SIGTERM, SIGUSR1, SIGUSR2}) {
     if (::sigaction(sig, &sa, nullptr) != 0) {
-      return absl::InternalError(absl::StrCat("sigaction(", strsignal(sig),
-                                              ") failed: ", std::strerror(errno)));
+      return absl::InternalError(
+          absl::StrCat("sigaction(", strsignal(sig), ") failed: ", std::strerror(errno)));
     }
   }
   return absl::OkStatus();

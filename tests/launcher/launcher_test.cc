@@ -135,11 +135,15 @@ class FakeJob {
     WriteFile(dir_.path() + "/ckpt/latest", "step_00000005\n");
   }
   std::vector<std::string> Args(std::vector<std::string> extra) const {
-    std::vector<std::string> a = {"--np", "2", "--config", SMAT_SOURCE_DIR "/configs/tiny_cpu.textproto",
-                                  "--set", "parallel.dp=2", "--set",
-                                  "checkpoint.dir=" + dir_.path() + "/ckpt", "--train", script_,
-                                  "--mpirun", SMAT_MPIEXEC, "--mpirun_arg", "--bind-to",
-                                  "--mpirun_arg", "none", "--log_dir", dir_.path() + "/logs"};
+    std::vector<std::string> a = {"--np",         "2",
+                                  "--config",     SMAT_SOURCE_DIR "/configs/tiny_cpu.textproto",
+                                  "--set",        "parallel.dp=2",
+                                  "--set",        "checkpoint.dir=" + dir_.path() + "/ckpt",
+                                  "--train",      script_,
+                                  "--mpirun",     SMAT_MPIEXEC,
+                                  "--mpirun_arg", "--bind-to",
+                                  "--mpirun_arg", "none",
+                                  "--log_dir",    dir_.path() + "/logs"};
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   }
@@ -192,8 +196,9 @@ TEST(Supervisor, ClassifiesExitCodesAndSignals) {
   EXPECT_EQ(ClassifyExit(exited(kExitRetryable), "").outcome, AttemptOutcome::kRetry);
   EXPECT_EQ(ClassifyExit(exited(kExitPreempted), "").outcome, AttemptOutcome::kRetry);
   EXPECT_EQ(ClassifyExit(exited(kExitFailure), "").outcome, AttemptOutcome::kRetry);
-  const ExitClassification killed = ClassifyExit(
-      exited(137), "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 "
+  const ExitClassification killed =
+      ClassifyExit(exited(137),
+                   "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 "
                    "(Killed).\n");
   EXPECT_EQ(killed.outcome, AttemptOutcome::kRetry);
   EXPECT_EQ(killed.reason, "a rank was killed by signal 9 (Killed)");
@@ -255,8 +260,8 @@ TEST(SmatLaunch, DryRunWithHostfilePrintsTheExactCommand) {
 
 TEST(SmatLaunch, RestartsAfterRetryableFailuresWithBackoffUntilFinished) {
   FakeJob job({"exit:3", "kill", "exit:0"});
-  LaunchResult r = RunLauncher(job.Args({"--max_restarts", "3", "--backoff", "0.5",
-                                         "--backoff_max", "10", "-x", "SMAT_TEST_VAR=forwarded"}),
+  LaunchResult r = RunLauncher(job.Args({"--max_restarts", "3", "--backoff", "0.5", "--backoff_max",
+                                         "10", "-x", "SMAT_TEST_VAR=forwarded"}),
                                job.out(), 60);
   ASSERT_TRUE(r.finished) << r.output;
   EXPECT_EQ(ExitCode(r), 0) << r.output;
@@ -268,21 +273,23 @@ TEST(SmatLaunch, RestartsAfterRetryableFailuresWithBackoffUntilFinished) {
       EXPECT_EQ(absl::StrContains(s, "--set checkpoint.resume=auto"), attempt > 0) << s;
       EXPECT_TRUE(absl::StrContains(s, "--set parallel.dp=2")) << s;
     }
-    EXPECT_TRUE(absl::StrContains(ReadFile(absl::StrCat(job.dir(), "/logs/attempt_", attempt, ".log")),
-                                  absl::StrCat("step ", attempt * 10 + 7, "/100")));
+    EXPECT_TRUE(
+        absl::StrContains(ReadFile(absl::StrCat(job.dir(), "/logs/attempt_", attempt, ".log")),
+                          absl::StrCat("step ", attempt * 10 + 7, "/100")));
   }
   EXPECT_TRUE(job.Calls("start", 3).empty());
   // Backoff: restart k waits 0.5 * 2^(k-1) s after the failure.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    const double gap = job.Time(job.Calls("start", attempt + 1)[0]) -
-                       job.Time(job.Calls("end", attempt).at(0));
+    const double gap =
+        job.Time(job.Calls("start", attempt + 1)[0]) - job.Time(job.Calls("end", attempt).at(0));
     EXPECT_GE(gap, 0.5 * (1 << attempt)) << "attempt " << attempt + 1 << " started too early";
   }
   const std::string summary = ReadFile(job.dir() + "/logs/summary.txt");
   EXPECT_TRUE(absl::StrContains(r.output, summary)) << "summary not printed";
   EXPECT_TRUE(absl::StrContains(summary, "attempt 0: exit 3 (retryable")) << summary;
   // Attempt 0 logged step 7, `latest` says 5: 2 steps lost; attempt 1 logged 17.
-  EXPECT_TRUE(absl::StrContains(summary, "last step 7; checkpoint step 5; steps lost 2")) << summary;
+  EXPECT_TRUE(absl::StrContains(summary, "last step 7; checkpoint step 5; steps lost 2"))
+      << summary;
   EXPECT_TRUE(absl::StrContains(summary, "attempt 1: exit 137 (a rank was killed by signal 9"))
       << summary;
   EXPECT_TRUE(absl::StrContains(summary, "steps lost 12")) << summary;
@@ -294,7 +301,8 @@ TEST(SmatLaunch, RestartsAfterRetryableFailuresWithBackoffUntilFinished) {
 TEST(SmatLaunch, StopsOnNonRetryableCodes) {
   for (int code : {kExitBadInput, kExitNonFiniteLoss}) {
     FakeJob job({absl::StrCat("exit:", code), "exit:0"});
-    LaunchResult r = RunLauncher(job.Args({"--max_restarts", "3", "--backoff", "0"}), job.out(), 30);
+    LaunchResult r =
+        RunLauncher(job.Args({"--max_restarts", "3", "--backoff", "0"}), job.out(), 30);
     ASSERT_TRUE(r.finished) << r.output;
     EXPECT_EQ(ExitCode(r), code) << r.output;
     EXPECT_EQ(job.Calls("start", 0).size(), 2u);

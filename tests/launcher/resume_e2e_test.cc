@@ -61,14 +61,21 @@ class TempDir {
 };
 
 std::vector<std::string> LaunchArgs(const std::string& run_dir, int steps = kSteps) {
-  return {"--np", "2", "--config", SMAT_SOURCE_DIR "/configs/tiny_cpu.textproto",
-          "--set", "parallel.dp=2", "--set", absl::StrCat("run.steps=", steps),
-          "--set", "optimizer.warmup_steps=2", "--set", "run.log_every=1",
-          "--set", "run.eval_every=0", "--set", "data.batch_size=4",
-          "--set", absl::StrCat("checkpoint.every_steps=", kEvery),
-          "--set", "checkpoint.keep_last=100", "--set", "run.dir=" + run_dir,
-          "--train", SMAT_TRAIN_BINARY, "--mpirun", SMAT_MPIEXEC,
-          "--mpirun_arg", "--bind-to", "--mpirun_arg", "none"};
+  return {"--np",         "2",
+          "--config",     SMAT_SOURCE_DIR "/configs/tiny_cpu.textproto",
+          "--set",        "parallel.dp=2",
+          "--set",        absl::StrCat("run.steps=", steps),
+          "--set",        "optimizer.warmup_steps=2",
+          "--set",        "run.log_every=1",
+          "--set",        "run.eval_every=0",
+          "--set",        "data.batch_size=4",
+          "--set",        absl::StrCat("checkpoint.every_steps=", kEvery),
+          "--set",        "checkpoint.keep_last=100",
+          "--set",        "run.dir=" + run_dir,
+          "--train",      SMAT_TRAIN_BINARY,
+          "--mpirun",     SMAT_MPIEXEC,
+          "--mpirun_arg", "--bind-to",
+          "--mpirun_arg", "none"};
 }
 
 // Runs smat_launch (bounded); `watch` runs beside it with the launcher's pid.
@@ -177,10 +184,12 @@ TEST(ResumeE2E, KilledRankIsRestartedAndTheRunMatchesAnUninterruptedOne) {
   ASSERT_EQ(RunLauncher(args, dir.path() + "/reference.out", 120), 0)
       << ReadFile(dir.path() + "/reference.out");
   const std::map<int, std::string> ref_steps = StepFigures(ReadFile(ref + "/launch/attempt_0.log"));
-  ASSERT_EQ(ref_steps.size(), static_cast<size_t>(kSteps)) << ReadFile(ref + "/launch/attempt_0.log");
+  ASSERT_EQ(ref_steps.size(), static_cast<size_t>(kSteps))
+      << ReadFile(ref + "/launch/attempt_0.log");
 
   // The interrupted one: rank 1 dies by SIGKILL once step kill_after is logged.
-  const unsigned seed = static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count());
+  const unsigned seed =
+      static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count());
   const int kill_after = 5 + static_cast<int>(std::mt19937(seed)() % 4);  // 5..8
   SCOPED_TRACE(absl::StrCat("rank 1 killed after step ", kill_after, " (seed ", seed, ")"));
   const std::string tag = dir.path();
@@ -214,8 +223,9 @@ TEST(ResumeE2E, KilledRankIsRestartedAndTheRunMatchesAnUninterruptedOne) {
   ASSERT_NE(at, std::string::npos) << "the restart did not resume\n" << log1;
   const size_t at_step = log1.find(" at step ", at);
   int resumed = -1;
-  ASSERT_TRUE(absl::SimpleAtoi(log1.substr(at_step + 9, log1.find('\n', at_step) - at_step - 9),
-                               &resumed)) << log1;
+  ASSERT_TRUE(
+      absl::SimpleAtoi(log1.substr(at_step + 9, log1.find('\n', at_step) - at_step - 9), &resumed))
+      << log1;
   EXPECT_GT(resumed, 0);
   EXPECT_EQ(resumed % kEvery, 0);
   EXPECT_LE(resumed, steps0.rbegin()->first);
@@ -271,8 +281,9 @@ TEST(ResumeE2E, SigtermToTheLauncherCheckpointsAndTheRelaunchMatches) {
   const size_t at = output.find("smat: preempted: checkpoint of step ");
   ASSERT_NE(at, std::string::npos) << output;
   int preempted_at = -1;
-  ASSERT_TRUE(absl::SimpleAtoi(output.substr(at + 36, output.find(' ', at + 36) - at - 36),
-                               &preempted_at)) << output;
+  ASSERT_TRUE(
+      absl::SimpleAtoi(output.substr(at + 36, output.find(' ', at + 36) - at - 36), &preempted_at))
+      << output;
   EXPECT_GE(preempted_at, 4);
   EXPECT_LT(preempted_at, kLongSteps) << "the job ended before the signal";
   EXPECT_TRUE(ReadFile(run + "/launch/attempt_1.log").empty()) << "restarted after SIGTERM";
@@ -290,7 +301,8 @@ TEST(ResumeE2E, SigtermToTheLauncherCheckpointsAndTheRelaunchMatches) {
   const std::map<int, std::string> steps = StepFigures(log);
   ASSERT_FALSE(steps.empty()) << log;
   EXPECT_EQ(steps.begin()->first, preempted_at + 1);
-  for (const auto& [step, figures] : steps) EXPECT_EQ(figures, ref_steps.at(step)) << "step " << step;
+  for (const auto& [step, figures] : steps)
+    EXPECT_EQ(figures, ref_steps.at(step)) << "step " << step;
   ExpectSameCheckpoint(ref + "/checkpoints", run + "/checkpoints", kLongSteps);
 }
 

@@ -8,6 +8,8 @@
 // Several ranks are simulated by threads of one process: each thread runs its
 // own CheckpointWriter and the exchange is a shared barrier, which is exactly
 // the contract the MPI exchange fulfils.
+#include "trainer/checkpoint.h"
+
 #include <dirent.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -27,7 +29,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "trainer/checkpoint.h"
 #include "trainer/checkpoint_writer.h"
 #include "trainer/preemption.h"
 
@@ -86,9 +87,11 @@ CheckpointState MakeState(int64_t step, int seed) {
   auto add = [&](const std::string& name, Shape shape, DType dtype) {
     Tensor t = Tensor::Zeros(shape, dtype).value();
     auto* bytes = static_cast<unsigned char*>(t.raw());
-    for (size_t i = 0; i < t.nbytes(); ++i) bytes[i] = static_cast<unsigned char>(i * 7 + seed * 13 + name.size());
+    for (size_t i = 0; i < t.nbytes(); ++i)
+      bytes[i] = static_cast<unsigned char>(i * 7 + seed * 13 + name.size());
     if (dtype == DType::kF32) {
-      for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>((i * 31 + seed) % 1001 - 500);
+      for (int64_t i = 0; i < t.numel(); ++i)
+        t.data<float>()[i] = static_cast<float>((i * 31 + seed) % 1001 - 500);
     }
     s.tensors.push_back({name, std::move(t)});
   };
@@ -155,8 +158,9 @@ class ThreadExchange {
 };
 
 // Saves `states` in order on `ranks` simulated ranks; returns rank 0's first error.
-absl::Status SaveOnRanks(const std::string& dir, int ranks, const std::vector<CheckpointState>& states,
-                         bool async, int keep_last = 0) {
+absl::Status SaveOnRanks(const std::string& dir, int ranks,
+                         const std::vector<CheckpointState>& states, bool async,
+                         int keep_last = 0) {
   ThreadExchange exchange(ranks);
   std::vector<absl::Status> results(ranks);
   std::vector<std::thread> threads;
@@ -285,8 +289,9 @@ TEST(Checkpoint, FlippedByteInShardIsDataLossAndResumeFallsBack) {
 
 TEST(Checkpoint, TruncatedOrMissingFilesAreDataLoss) {
   TempDir dir;
-  ASSERT_TRUE(SaveOnRanks(dir.path(), 2, {MakeState(10, 1), MakeState(20, 2), MakeState(30, 3)},
-                          false).ok());
+  ASSERT_TRUE(
+      SaveOnRanks(dir.path(), 2, {MakeState(10, 1), MakeState(20, 2), MakeState(30, 3)}, false)
+          .ok());
   const std::string manifest = CheckpointPath(dir.path(), 30) + "/manifest.pb";
   const std::string bytes = ReadFile(manifest);
   WriteFile(manifest, bytes.substr(0, bytes.size() / 2));
@@ -339,8 +344,8 @@ int SaveInKilledChild(const std::string& dir, const std::string& fault, bool asy
 TEST(Checkpoint, CrashAtEveryPhaseLeavesTheLastCommittedCheckpoint) {
   struct Case {
     const char* phase;
-    int64_t expect_latest;   // what resume must find
-    bool expect_temporary;   // the crashed write's directory is left behind
+    int64_t expect_latest;  // what resume must find
+    bool expect_temporary;  // the crashed write's directory is left behind
   };
   const Case cases[] = {{"writing_shards", 10, true},
                         {"after_shards", 10, true},
@@ -364,8 +369,8 @@ TEST(Checkpoint, CrashAtEveryPhaseLeavesTheLastCommittedCheckpoint) {
       // Nothing partial under a committed name.
       absl::StatusOr<std::vector<int64_t>> steps = ListCheckpoints(dir.path());
       ASSERT_TRUE(steps.ok());
-      EXPECT_EQ(*steps, (c.expect_latest == 10 ? std::vector<int64_t>{10}
-                                               : std::vector<int64_t>{10, 20}));
+      EXPECT_EQ(*steps,
+                (c.expect_latest == 10 ? std::vector<int64_t>{10} : std::vector<int64_t>{10, 20}));
       const std::string tmp = CheckpointPath(dir.path(), 20) + ".tmp-0";
       struct stat st;
       EXPECT_EQ(stat(tmp.c_str(), &st) == 0, c.expect_temporary);
