@@ -304,6 +304,24 @@ TEST(ResumeE2E, SigtermToTheLauncherCheckpointsAndTheRelaunchMatches) {
   for (const auto& [step, figures] : steps)
     EXPECT_EQ(figures, ref_steps.at(step)) << "step " << step;
   ExpectSameCheckpoint(ref + "/checkpoints", run + "/checkpoints", kLongSteps);
+
+  // Another grid: the 2-rank checkpoint (two shards) resumes in one process
+  // (dp = 1), which goes on and writes a one-shard checkpoint.
+  args = LaunchArgs(run, kLongSteps + 2);
+  args[1] = "1";  // --np
+  args.insert(args.end(), {"--set", "parallel.dp=1", "--max_restarts", "0", "--log_dir",
+                           run + "/one_rank"});
+  ASSERT_EQ(RunLauncher(args, dir.path() + "/one_rank.out", 120), 0)
+      << ReadFile(dir.path() + "/one_rank.out");
+  const std::string one = ReadFile(run + "/one_rank/attempt_0.log");
+  EXPECT_TRUE(absl::StrContains(one, absl::StrCat(CheckpointDirName(kLongSteps), " at step ",
+                                                  kLongSteps)))
+      << one;
+  absl::StatusOr<CheckpointManifest> m =
+      VerifyCheckpoint(CheckpointPath(run + "/checkpoints", kLongSteps + 2));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->writer_ranks(), 1);
+  EXPECT_EQ(m->dp(), 1);
 }
 
 }  // namespace
