@@ -40,7 +40,10 @@ struct CheckpointFault {
   int rank = -1;  // -1: every rank
 };
 
-absl::StatusOr<CheckpointFault> ParseCheckpointFault(const std::string& spec) {
+// `attempt`: this run's launch attempt; a plan naming another attempt is
+// parsed (so typos are still caught) but never fires.
+absl::StatusOr<CheckpointFault> ParseCheckpointFault(const std::string& spec,
+                                                     const std::string& attempt) {
   CheckpointFault f;
   if (spec.empty()) return f;
   const std::vector<std::string> parts = absl::StrSplit(spec, ':');
@@ -52,15 +55,19 @@ absl::StatusOr<CheckpointFault> ParseCheckpointFault(const std::string& spec) {
   for (const auto& [name, phase] : kPhases) {
     if (parts[0] == name) f.phase = phase;
   }
-  const bool ok = f.phase != FaultPhase::kNone && (parts.size() == 2 || parts.size() == 3) &&
+  int64_t only_attempt = -1;
+  const bool ok = f.phase != FaultPhase::kNone && parts.size() >= 2 && parts.size() <= 4 &&
                   absl::SimpleAtoi(parts[1], &f.step) &&
-                  (parts.size() == 2 || absl::SimpleAtoi(parts[2], &f.rank));
+                  (parts.size() < 3 || absl::SimpleAtoi(parts[2], &f.rank)) &&
+                  (parts.size() < 4 || absl::SimpleAtoi(parts[3], &only_attempt));
   if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "SMAT_FAULT_CHECKPOINT='", spec,
-        "': expected phase:step[:rank] with phase one of writing_shards, after_shards, "
-        "after_manifest, after_rename (e.g. after_manifest:20)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("SMAT_FAULT_CHECKPOINT='", spec,
+                     "': expected phase:step[:rank[:attempt]] with phase one of writing_shards, "
+                     "after_shards, after_manifest, after_rename (e.g. after_manifest:20, or "
+                     "after_manifest:20:-1:0 for every rank in the first launch attempt only)"));
   }
+  if (parts.size() == 4 && absl::StrCat(only_attempt) != attempt) f.phase = FaultPhase::kNone;
   return f;
 }
 
@@ -237,7 +244,8 @@ absl::Status CheckpointWriter::Save(const CheckpointState& state) {
                                                      "; copy it to host memory before saving"));
     }
   }
-  SMAT_ASSIGN_OR_RETURN(CheckpointFault fault, ParseCheckpointFault(options_.fault));
+  SMAT_ASSIGN_OR_RETURN(CheckpointFault fault,
+                        ParseCheckpointFault(options_.fault, options_.attempt));
 
   auto p = std::make_unique<Pending>();
   p->step = state.step;

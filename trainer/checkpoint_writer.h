@@ -31,12 +31,12 @@
 // the next Save (or Finish) waits for the write and commits it, so at most one
 // save is in flight; a failed write is reported there.
 //
-// Fault injection (tests): SMAT_FAULT_CHECKPOINT=phase:step[:rank] raises
-// SIGKILL on that rank (every rank when omitted) at `phase` of the save of
-// `step`; phases in order: writing_shards (half the shard written),
-// after_shards (shards fsynced, before the exchange), after_manifest
-// (manifest written, before the commit rename), after_rename (committed,
-// before `latest` is updated).
+// Fault injection (tests): SMAT_FAULT_CHECKPOINT=phase:step[:rank[:attempt]]
+// raises SIGKILL on that rank (every rank when omitted or -1) at `phase` of
+// the save of `step`, in launch attempt `attempt` only when given (so the
+// restarted job does not die the same way); phases in order: writing_shards (half the shard
+// written), after_shards (shards fsynced, before the exchange), after_manifest (manifest written,
+// before the commit rename), after_rename (committed, before `latest` is updated).
 //
 //   CheckpointWriterOptions opts{.dir = cfg.checkpoint().dir(), .keep_last = 3};
 //   CheckpointWriter writer(opts, ExchangeOverCommunicator(pg->host_world()));

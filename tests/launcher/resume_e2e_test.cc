@@ -248,6 +248,49 @@ TEST(ResumeE2E, KilledRankIsRestartedAndTheRunMatchesAnUninterruptedOne) {
   EXPECT_EQ(compared, kSteps / kEvery);
 }
 
+// Rank 0 is killed (checkpoint fault injection) after writing the manifest of
+// step 6 and before the commit rename: step 6 must not be resumed from (its
+// complete-looking temporary is not a checkpoint); the restart resumes at
+// step 3, removes the temporary, and ends like the uninterrupted run.
+TEST(ResumeE2E, CrashBeforeTheCommitRenameResumesFromThePreviousCheckpoint) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+  TempDir dir;
+  const std::string ref = dir.path() + "/reference", run = dir.path() + "/crashed";
+  std::vector<std::string> args = LaunchArgs(ref);
+  args.insert(args.end(), {"--max_restarts", "0"});
+  ASSERT_EQ(RunLauncher(args, dir.path() + "/reference.out", 120), 0)
+      << ReadFile(dir.path() + "/reference.out");
+  const std::map<int, std::string> ref_steps = StepFigures(ReadFile(ref + "/launch/attempt_0.log"));
+
+  args = LaunchArgs(run);
+  args.insert(args.end(), {"--max_restarts", "1", "--backoff", "0", "-x",
+                           "SMAT_FAULT_CHECKPOINT=after_manifest:6:0:0"});
+  const std::string out = dir.path() + "/crashed.out";
+  ASSERT_EQ(RunLauncher(args, out, 120), 0) << ReadFile(out);
+  const std::string output = ReadFile(out);
+  EXPECT_TRUE(absl::StrContains(output, "injecting checkpoint fault (SIGKILL) at step 6 on rank 0"))
+      << output;
+  const std::string log1 = ReadFile(run + "/launch/attempt_1.log");
+  EXPECT_TRUE(absl::StrContains(log1, CheckpointDirName(3) + " at step 3")) << log1;
+  const std::map<int, std::string> steps = StepFigures(log1);
+  ASSERT_FALSE(steps.empty()) << log1;
+  EXPECT_EQ(steps.begin()->first, 4);
+  for (const auto& [step, figures] : steps)
+    EXPECT_EQ(figures, ref_steps.at(step)) << "step " << step;
+  for (int step = kEvery; step <= kSteps; step += kEvery) {
+    ExpectSameCheckpoint(ref + "/checkpoints", run + "/checkpoints", step);
+  }
+  // The crashed attempt's temporary was removed by the restart's first commit.
+  DIR* d = opendir((run + "/checkpoints").c_str());
+  ASSERT_NE(d, nullptr);
+  while (dirent* e = readdir(d)) {
+    EXPECT_FALSE(absl::StrContains(e->d_name, ".tmp-")) << e->d_name << " left behind";
+  }
+  closedir(d);
+}
+
 // SIGTERM to smat_launch: the ranks get SIGUSR2 through mpirun, agree on a
 // step, checkpoint it and exit 5; no restart. Launched again, the job resumes
 // there and ends exactly where an uninterrupted run ends.
@@ -309,13 +352,13 @@ TEST(ResumeE2E, SigtermToTheLauncherCheckpointsAndTheRelaunchMatches) {
   // (dp = 1), which goes on and writes a one-shard checkpoint.
   args = LaunchArgs(run, kLongSteps + 2);
   args[1] = "1";  // --np
-  args.insert(args.end(), {"--set", "parallel.dp=1", "--max_restarts", "0", "--log_dir",
-                           run + "/one_rank"});
+  args.insert(args.end(),
+              {"--set", "parallel.dp=1", "--max_restarts", "0", "--log_dir", run + "/one_rank"});
   ASSERT_EQ(RunLauncher(args, dir.path() + "/one_rank.out", 120), 0)
       << ReadFile(dir.path() + "/one_rank.out");
   const std::string one = ReadFile(run + "/one_rank/attempt_0.log");
-  EXPECT_TRUE(absl::StrContains(one, absl::StrCat(CheckpointDirName(kLongSteps), " at step ",
-                                                  kLongSteps)))
+  EXPECT_TRUE(
+      absl::StrContains(one, absl::StrCat(CheckpointDirName(kLongSteps), " at step ", kLongSteps)))
       << one;
   absl::StatusOr<CheckpointManifest> m =
       VerifyCheckpoint(CheckpointPath(run + "/checkpoints", kLongSteps + 2));

@@ -506,6 +506,21 @@ TEST(Checkpoint, BadStateAndFaultSpecAreInvalidArgument) {
   EXPECT_TRUE(absl::StrContains(st.message(), "SMAT_FAULT_CHECKPOINT")) << st;
 }
 
+TEST(Checkpoint, FaultForAnotherAttemptDoesNotFire) {
+  TempDir dir;
+  CheckpointWriterOptions o;
+  o.dir = dir.path();
+  o.attempt = "1";
+  o.fault = "writing_shards:1:-1:0";  // attempt 0 only: this process lives on
+  CheckpointWriter w(o, SingleProcessExchange());
+  ASSERT_TRUE(w.Save(MakeState(1, 1)).ok());
+  ASSERT_TRUE(w.Finish().ok());
+  EXPECT_TRUE(VerifyCheckpoint(CheckpointPath(dir.path(), 1)).ok());
+  o.fault = "writing_shards:1:-1:first";
+  CheckpointWriter bad(o, SingleProcessExchange());
+  EXPECT_EQ(bad.Save(MakeState(2, 1)).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Checkpoint, UnwritableDirectoryIsUnavailableOnFinish) {
   TempDir dir;
   const std::string file = dir.path() + "/not_a_dir";
