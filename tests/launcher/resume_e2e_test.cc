@@ -37,7 +37,7 @@
 namespace smat {
 namespace {
 
-constexpr int kSteps = 12;
+constexpr int kSteps = 18;
 constexpr int kEvery = 3;
 
 std::string ReadFile(const std::string& path) {
@@ -298,7 +298,7 @@ TEST(ResumeE2E, SigtermToTheLauncherCheckpointsAndTheRelaunchMatches) {
   setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
-  constexpr int kLongSteps = 24;
+  constexpr int kLongSteps = 27;
   TempDir dir;
   const std::string ref = dir.path() + "/reference", run = dir.path() + "/preempted";
   std::vector<std::string> args = LaunchArgs(ref, kLongSteps);
