@@ -20,6 +20,8 @@
 //   --train PATH       smat_train (default: next to smat_launch)
 //   --stop_grace S     after SIGTERM to the launcher, seconds the job gets to
 //                      checkpoint and exit before it is terminated (default 120)
+//   --hang_timeout S   restart a job that prints nothing for S seconds (default 0: off;
+//                      set it well above run.log_every steps' time)
 //   --dry_run          print the first attempt's mpirun command and exit
 // Flags are parsed by hand rather than with absl flags because --set and -x
 // repeat (absl's list flags split on commas and do not accumulate).
@@ -62,7 +64,7 @@ struct Flags {
   std::string hosts, hostfile, config, log_dir, mpirun = "mpirun", train;
   std::vector<std::string> sets, exports, mpirun_args;
   int max_restarts = 3;
-  double backoff = 10, backoff_max = 300, stop_grace = 120;
+  double backoff = 10, backoff_max = 300, stop_grace = 120, hang_timeout = 0;
   bool dry_run = false;
 };
 
@@ -70,7 +72,7 @@ constexpr char kUsage[] =
     "usage: smat_launch --config FILE [--np N] [--hosts a:4,b:4 | --hostfile FILE]\n"
     "         [--set PATH=VALUE]... [-x VAR[=VALUE]]... [--max_restarts N] [--backoff S]\n"
     "         [--backoff_max S] [--log_dir DIR] [--mpirun PATH] [--mpirun_arg ARG]...\n"
-    "         [--train PATH] [--stop_grace S] [--dry_run]\n";
+    "         [--train PATH] [--stop_grace S] [--hang_timeout S]\n         [--dry_run]\n";
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
@@ -125,6 +127,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       SMAT_RETURN_IF_ERROR(take_double(&f.backoff));
     } else if (arg == "--backoff_max") {
       SMAT_RETURN_IF_ERROR(take_double(&f.backoff_max));
+    } else if (arg == "--hang_timeout") {
+      SMAT_RETURN_IF_ERROR(take_double(&f.hang_timeout));
     } else if (arg == "--stop_grace") {
       SMAT_RETURN_IF_ERROR(take_double(&f.stop_grace));
     } else if (arg == "--log_dir") {
@@ -207,6 +211,7 @@ absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
   o.backoff_seconds = f.backoff;
   o.backoff_max_seconds = f.backoff_max;
   o.stop_grace_seconds = f.stop_grace;
+  o.hang_timeout_seconds = f.hang_timeout;
   o.log_dir = f.log_dir.empty() ? config.run().dir() + "/launch" : f.log_dir;
   o.checkpoint_dir = config.checkpoint().dir();
   return o;

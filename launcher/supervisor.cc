@@ -182,6 +182,7 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
   int status = 0;
   bool exited = false, pipe_open = true, forwarded = false, terminated = false;
   double forwarded_at = 0;
+  double last_output_at = Now(), hung_at = -1;
   char buf[8192];
   while (!exited || pipe_open) {
     // Stop: SIGUSR2 first (mpirun forwards it; every rank checkpoints and
@@ -206,6 +207,20 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
       ::kill(-child, SIGKILL);
       ::kill(child, SIGKILL);
     }
+    // A job that prints nothing for hang_timeout seconds is hung somewhere no
+    // collective deadline covers: SIGTERM to mpirun (it kills the ranks), then
+    // SIGKILL, and the attempt counts as a retryable failure.
+    if (options_.hang_timeout_seconds > 0 && !exited && !forwarded && hung_at < 0 &&
+        Now() - last_output_at > options_.hang_timeout_seconds) {
+      std::fprintf(stderr, "smat_launch: no output for %.0f s: the job is hung; terminating it\n",
+                   options_.hang_timeout_seconds);
+      ::kill(child, SIGTERM);
+      hung_at = Now();
+    }
+    if (hung_at >= 0 && !exited && Now() - hung_at > 10) {
+      ::kill(-child, SIGKILL);
+      ::kill(child, SIGKILL);
+    }
     if (pipe_open) {
       pollfd p{fds[0], POLLIN, 0};
       // Once mpirun has exited, only drain what is already there.
@@ -213,6 +228,7 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
       if (ready > 0) {
         const ssize_t n = ::read(fds[0], buf, sizeof(buf));
         if (n > 0) {
+          last_output_at = Now();
           std::fwrite(buf, 1, n, stdout);
           std::fflush(stdout);
           if (log != nullptr) std::fwrite(buf, 1, n, log);
@@ -247,6 +263,11 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
   tail += line;
   rec.end_s = Now();
   rec.exit = ClassifyExit(status, tail);
+  if (hung_at >= 0 && rec.exit.outcome != AttemptOutcome::kFinished) {
+    rec.exit.outcome = AttemptOutcome::kRetry;
+    rec.exit.reason = absl::StrFormat("hung: no output for %.0f s (--hang_timeout)",
+                                      options_.hang_timeout_seconds);
+  }
   if (forwarded && rec.exit.outcome != AttemptOutcome::kFinished) {
     rec.exit.outcome = AttemptOutcome::kStop;
     rec.exit.reason += "; stopped by a signal to smat_launch";

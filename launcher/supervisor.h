@@ -5,7 +5,8 @@
 //   exit 0                                   finished: done
 //   exit 2 (bad input), 4 (NaN/inf loss)     stop: a restart fails the same way
 //   exit 1, 3 (retryable), 5 (preempted),    restart after a backoff of
-//   a rank or mpirun killed by a signal      backoff * 2^(restart-1), capped
+//   a rank or mpirun killed by a signal,     backoff * 2^(restart-1), capped
+//   no output for hang_timeout seconds
 //
 // Every attempt's output (mpirun's and all ranks') goes to log_dir/attempt_N.log
 // and to the launcher's stdout. The summary at the end lists, per attempt, the
@@ -41,6 +42,9 @@ struct SupervisorOptions {
   // After forwarding SIGUSR2, how long the job gets to checkpoint and exit
   // before SIGTERM.
   double stop_grace_seconds = 120;
+  // No output line for this long: the job is hung (outside any collective,
+  // whose deadline would have ended it), terminated and restarted. 0: off.
+  double hang_timeout_seconds = 0;
 };
 
 enum class AttemptOutcome : int { kFinished = 0, kRetry = 1, kStop = 2 };

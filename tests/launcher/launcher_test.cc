@@ -3,8 +3,8 @@
 // arguments and environment, and then exits with the code its plan says for
 // that attempt, or is killed by SIGKILL, or hangs. Checked: restart after
 // retryable failures with backoff and resume, stop on a non-retryable code,
-// --max_restarts, -x forwarding, SIGTERM to the launcher, the summary and the
-// per-attempt logs, and the exact --dry_run command. The pure parts
+// --max_restarts, -x forwarding, SIGTERM to the launcher, --hang_timeout, the
+// summary and the per-attempt logs, and the exact --dry_run command. The pure parts
 // (classification, backoff, step parsing, quoting) are tested directly.
 #include <signal.h>
 #include <sys/stat.h>
@@ -319,6 +319,18 @@ TEST(SmatLaunch, GivesUpAfterMaxRestarts) {
   EXPECT_EQ(job.Calls("start", 2).size(), 2u);
   EXPECT_TRUE(job.Calls("start", 3).empty()) << "more than --max_restarts restarts";
   EXPECT_TRUE(absl::StrContains(r.output, "gave up after 2 restart(s)")) << r.output;
+}
+
+TEST(SmatLaunch, SilentJobIsTerminatedAndRestartedAfterHangTimeout) {
+  FakeJob job({"hang", "exit:0"});
+  LaunchResult r = RunLauncher(job.Args({"--backoff", "0", "--hang_timeout", "2"}), job.out(), 40);
+  ASSERT_TRUE(r.finished) << r.output;
+  EXPECT_EQ(ExitCode(r), 0) << r.output;
+  EXPECT_EQ(job.Calls("start", 1).size(), 2u) << r.output;
+  const std::string summary = ReadFile(job.dir() + "/logs/summary.txt");
+  EXPECT_TRUE(absl::StrContains(summary, "attempt 0: exit")) << summary;
+  EXPECT_TRUE(absl::StrContains(summary, "hung: no output for 2 s")) << summary;
+  EXPECT_TRUE(absl::StrContains(summary, "attempt 1: exit 0 (finished)")) << summary;
 }
 
 TEST(SmatLaunch, SigtermStopsTheJobAndRestarting) {
