@@ -243,9 +243,10 @@ absl::Status CheckResult(Backend& backend, const Tensor& t, const char* name, in
   }
   if (bad > 0 || nonzero == 0) {
     return absl::InternalError(absl::StrCat(
-        "sequence-parallel SMat on rank ", rank, ": ", name, " has ", bad, " non-finite values and ",
-        nonzero, " non-zero values of ", h.numel(),
-        "; the op is broken here, run the tests in tests/parallel (nccl_communicator_test on GPUs)"));
+        "sequence-parallel SMat on rank ", rank, ": ", name, " has ", bad,
+        " non-finite values and ", nonzero, " non-zero values of ", h.numel(),
+        "; the op is broken here, run the tests in tests/parallel (nccl_communicator_test on "
+        "GPUs)"));
   }
   return absl::OkStatus();
 }
