@@ -302,9 +302,6 @@ int Main(int argc, char** argv) {
       s.config.metrics(), rank, s.pg->local_rank(), s.config.run().dir());
   st = AgreeOnSetup(**control, metrics.status(), "metrics set-up");
   if (!st.ok()) return fail(st);
-  if (!(*metrics)->url().empty()) {
-    progress.Line(absl::StrCat("smat: rank 0 metrics at ", (*metrics)->url()));
-  }
   const CheckpointConfig& ckc = s.config.checkpoint();
   CheckpointWriterOptions wopts =
       CheckpointWriterOptions::FromEnvironment(ckc.dir(), rank, world);
