@@ -4,12 +4,14 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "parallel/cuda/nccl_communicator.h"
+#include "parallel/launch_env.h"
 
 namespace smat {
 
@@ -130,17 +132,21 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(
   // NCCL: one GPU per local rank. Every rank checks, then all agree before
   // anyone starts NCCL (so one rank's missing GPU does not leave the others
   // waiting in ncclCommInitRank).
-  pg->device_ = pg->local_rank_;
+  // The local rank's GPU, or device 0 when the scheduler left one visible
+  // (parallel/launch_env.h).
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  pg->device_ = GpuForLocalRank(pg->local_rank_, visible != nullptr ? visible : "");
   absl::StatusOr<NcclPlugin> plugin = FindNcclPlugin(pg->device_);
   absl::Status local_ok = plugin.status();
   if (local_ok.ok()) {
     char error[512] = {0};
     int count = 0;
     local_ok = PluginStatus(plugin->device_count(&count, error, sizeof(error)), error);
-    if (local_ok.ok() && count < pg->local_size_) {
+    if (local_ok.ok() && count <= pg->device_) {
       local_ok = absl::FailedPreconditionError(absl::StrCat(
           "NCCL process group: ", pg->local_size_, " ranks on this host but only ", count,
-          " GPUs; launch at most ", count, " ranks per host"));
+          " GPUs (local rank ", pg->local_rank_, " needs GPU ", pg->device_,
+          "); launch at most ", count, " ranks per host"));
     }
   }
   SMAT_ASSIGN_OR_RETURN(Tensor flag, Tensor::Zeros({1}, DType::kI32));

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -33,6 +34,7 @@
 #include "kernels/backend.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/process_group.h"
+#include "parallel/rank_placement.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_writer.h"
 #include "trainer/metrics.h"
@@ -92,24 +94,6 @@ absl::Status AgreeOnSetup(Communicator& control, const absl::Status& mine, const
         absl::StrCat(failed, " other rank(s) failed during ", what, "; see their messages"));
   }
   return absl::OkStatus();
-}
-
-// Host names of every rank, in rank order (fixed 64-byte records, so one
-// all-gather moves them).
-absl::StatusOr<std::vector<std::string>> GatherHostNames(Communicator& control) {
-  constexpr int kLen = 64;
-  char name[kLen] = {};
-  gethostname(name, kLen - 1);
-  SMAT_ASSIGN_OR_RETURN(Tensor send, Tensor::Zeros({kLen / 8}, DType::kI64));
-  std::memcpy(send.raw(), name, kLen);
-  SMAT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Zeros({control.size() * kLen / 8}, DType::kI64));
-  SMAT_RETURN_IF_ERROR(control.AllGather(send, recv));
-  std::vector<std::string> hosts;
-  const char* p = static_cast<const char*>(recv.raw());
-  for (int r = 0; r < control.size(); ++r) {
-    hosts.emplace_back(p + r * kLen, strnlen(p + r * kLen, kLen));
-  }
-  return hosts;
 }
 
 struct Setup {
@@ -278,10 +262,12 @@ int Main(int argc, char** argv) {
   st = BuildGroupAndBackend(s);
   st = AgreeOnSetup(**control, st, "process group and device set-up");
   if (!st.ok()) return fail(st);
-  absl::StatusOr<std::vector<std::string>> hosts = GatherHostNames(**control);
-  if (!hosts.ok()) return fail(hosts.status());
+  // The rank -> host -> GPU table, after checking the launcher's environment
+  // (Open MPI, Slurm) against MPI's world (parallel/rank_placement.h).
+  absl::StatusOr<std::string> placement = DescribeRankPlacement(**control, *s.pg, std::getenv);
+  if (!placement.ok()) return fail(placement.status());
   ProgressPrinter progress(stdout, rank == 0);
-  progress.Line(FormatRankHostMap(*hosts));
+  progress.Line(*placement);
 
   // 3. Data, model and optimizer.
   absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(s.config, *s.pg, *s.backend);
