@@ -86,6 +86,19 @@ RunResult Train(MPI_Comm comm, int dp, int sp, int batch) {
     SMAT_ASSIGN_OR_RETURN(EvalStats ev, trainer->Evaluate());
     out.eval_loss = ev.loss;
     out.eval_accuracy = ev.accuracy;
+    // The checkpoint seam: parameters, then both moments of each, as host
+    // tensors; the data cursor counts the job's sequences.
+    const TrainState& ts = trainer->state();
+    const auto tensors = ts.Tensors();
+    const size_t np = trainer->model().parameters().size();
+    if (tensors.size() != 3 * np || tensors[np].first.rfind("adam_m/", 0) != 0 ||
+        tensors[2 * np].first.rfind("adam_v/", 0) != 0) {
+      return absl::InternalError("TrainState::Tensors: unexpected names or count");
+    }
+    if (ts.sampler_cursor() != int64_t{kSteps} * dp * batch ||
+        trainer->optimizer().step_count() != kSteps) {
+      return absl::InternalError("sampler cursor or optimizer step count is off");
+    }
     return absl::OkStatus();
   }();
   return out;
