@@ -22,7 +22,16 @@
 //                      checkpoint and exit before it is terminated (default 120)
 //   --hang_timeout S   restart a job that prints nothing for S seconds (default 0: off;
 //                      set it well above run.log_every steps' time)
+//   --elastic          before each restart, probe every host with mpirun's remote
+//                      shell (--mca plm_rsh_agent, else ssh) and restart on the hosts
+//                      that answer, parallel.dp/sp shrunk to fit (launcher/elastic.h);
+//                      back on the full grid once every host answers again
+//   --probe_timeout S  seconds a host gets to answer the probe (default 10)
 //   --dry_run          print the first attempt's mpirun command and exit
+// Without --np/--hosts/--hostfile the launch environment gives the defaults:
+// the hostfile Open MPI is told of ($OMPI_MCA_orte_default_hostfile, set by the
+// Kubeflow MPI Operator), else Slurm's task count (SLURM_NTASKS, inside sbatch;
+// mpirun finds the allocation's hosts itself).
 // Flags are parsed by hand rather than with absl flags because --set and -x
 // repeat (absl's list flags split on commas and do not accumulate).
 //
@@ -37,6 +46,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -50,8 +60,10 @@
 #include "core/config.h"
 #include "core/exit_codes.h"
 #include "core/status.h"
+#include "launcher/elastic.h"
 #include "launcher/mpirun_command.h"
 #include "launcher/supervisor.h"
+#include "parallel/launch_env.h"
 
 namespace smat {
 namespace {
@@ -65,14 +77,16 @@ struct Flags {
   std::vector<std::string> sets, exports, mpirun_args;
   int max_restarts = 3;
   double backoff = 10, backoff_max = 300, stop_grace = 120, hang_timeout = 0;
-  bool dry_run = false;
+  double probe_timeout = 10;
+  bool dry_run = false, elastic = false;
 };
 
 constexpr char kUsage[] =
     "usage: smat_launch --config FILE [--np N] [--hosts a:4,b:4 | --hostfile FILE]\n"
     "         [--set PATH=VALUE]... [-x VAR[=VALUE]]... [--max_restarts N] [--backoff S]\n"
     "         [--backoff_max S] [--log_dir DIR] [--mpirun PATH] [--mpirun_arg ARG]...\n"
-    "         [--train PATH] [--stop_grace S] [--hang_timeout S]\n         [--dry_run]\n";
+    "         [--train PATH] [--stop_grace S] [--hang_timeout S]\n"
+    "         [--elastic] [--probe_timeout S] [--dry_run]\n";
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
@@ -137,6 +151,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       SMAT_ASSIGN_OR_RETURN(f.mpirun, take());
     } else if (arg == "--train") {
       SMAT_ASSIGN_OR_RETURN(f.train, take());
+    } else if (arg == "--probe_timeout") {
+      SMAT_RETURN_IF_ERROR(take_double(&f.probe_timeout));
+    } else if (arg == "--elastic") {
+      f.elastic = !has_value || value == "true" || value == "1";
     } else if (arg == "--dry_run") {
       f.dry_run = !has_value || value == "true" || value == "1";
     } else if (arg == "--help" || arg == "-h") {
@@ -150,6 +168,11 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("give --hosts or --hostfile, not both");
   }
   return f;
+}
+
+std::string EnvOr(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string() : std::string(v);
 }
 
 // smat_train beside this executable (both are built into one folder).
@@ -183,20 +206,30 @@ absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
   job.mpirun = f.mpirun;
   job.hosts = f.hosts;
   job.hostfile = f.hostfile;
+  SMAT_ASSIGN_OR_RETURN(LaunchEnvironment env, ReadLaunchEnvironment(std::getenv));
+  if (job.hosts.empty() && job.hostfile.empty()) {
+    // The MPI Operator's launcher pod: mpirun reads this hostfile by itself;
+    // reading it here gives --np and the hosts --elastic probes.
+    if (const char* h = std::getenv("OMPI_MCA_orte_default_hostfile"); h != nullptr && *h) {
+      job.hostfile = h;
+    }
+  }
   job.exports = f.exports;
   job.mpirun_args = f.mpirun_args;
   job.train = f.train.empty() ? DefaultTrainPath() : f.train;
   job.config = f.config;
   job.sets = f.sets;
-  int slots = 0;
-  if (!f.hosts.empty()) {
-    SMAT_ASSIGN_OR_RETURN(std::vector<HostSlots> hosts, ParseHostList(f.hosts));
-    slots = TotalSlots(hosts);
-  } else if (!f.hostfile.empty()) {
-    SMAT_ASSIGN_OR_RETURN(std::vector<HostSlots> hosts, ReadHostfile(f.hostfile));
-    slots = TotalSlots(hosts);
+  std::vector<HostSlots> hosts;
+  if (!job.hosts.empty()) {
+    SMAT_ASSIGN_OR_RETURN(hosts, ParseHostList(job.hosts));
+  } else if (!job.hostfile.empty()) {
+    SMAT_ASSIGN_OR_RETURN(hosts, ReadHostfile(job.hostfile));
   }
-  job.np = f.np > 0 ? f.np : (slots > 0 ? slots : 1);
+  const int slots = TotalSlots(hosts);
+  // Inside a Slurm allocation (sbatch script) the task count is the job's
+  // size; mpirun takes the hosts from the allocation.
+  const int slurm_tasks = env.launcher == "Slurm" ? env.size : -1;
+  job.np = f.np > 0 ? f.np : (slots > 0 ? slots : (slurm_tasks > 0 ? slurm_tasks : 1));
   if (slots > 0 && job.np > slots) {
     return absl::InvalidArgumentError(
         absl::StrCat("--np ", job.np, " exceeds the ", slots, " slots of the hosts given"));
@@ -214,6 +247,36 @@ absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
   o.hang_timeout_seconds = f.hang_timeout;
   o.log_dir = f.log_dir.empty() ? config.run().dir() + "/launch" : f.log_dir;
   o.checkpoint_dir = config.checkpoint().dir();
+  if (f.elastic) {
+    if (hosts.empty()) {
+      return absl::InvalidArgumentError(
+          "--elastic needs the hosts to probe: give --hosts or --hostfile");
+    }
+    std::vector<std::string> agent =
+        RshAgentArgv(job.mpirun_args, EnvOr("OMPI_MCA_plm_rsh_agent"), f.probe_timeout);
+    const int dp = config.parallel().dp(), sp = config.parallel().sp();
+    const double timeout = f.probe_timeout;
+    o.job_for_attempt = [job, hosts, agent, dp, sp,
+                         timeout](int attempt) -> absl::StatusOr<JobCommand> {
+      std::vector<bool> live;
+      for (const HostSlots& h : hosts) {
+        absl::Status probe = ProbeHost(agent, h.host, timeout);
+        if (!probe.ok()) {
+          std::fprintf(stderr, "smat_launch: elastic: host %s does not answer (%s)\n",
+                       h.host.c_str(), std::string(probe.message()).c_str());
+        }
+        live.push_back(probe.ok());
+      }
+      SMAT_ASSIGN_OR_RETURN(ElasticPlan plan, PlanElasticGrid(hosts, live, dp, sp));
+      std::fprintf(stderr,
+                   "smat_launch: elastic: attempt %d on %d of %zu hosts (%s): --np %d, "
+                   "parallel.dp=%d parallel.sp=%d%s\n",
+                   attempt, static_cast<int>(plan.hosts.size()), hosts.size(),
+                   HostListString(plan.hosts).c_str(), plan.np, plan.dp, plan.sp,
+                   plan.full ? " (the full grid)" : "");
+      return ElasticJob(job, plan);
+    };
+  }
   return o;
 }
 

@@ -138,7 +138,20 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
   rec.attempt = attempt;
   rec.backoff_s = backoff_s;
   rec.start_s = Now();
-  const std::vector<std::string> argv = MpirunArgv(options_.job, attempt);
+  JobCommand job = options_.job;
+  if (attempt > 0 && options_.job_for_attempt) {
+    absl::StatusOr<JobCommand> next = options_.job_for_attempt(attempt);
+    if (!next.ok()) {
+      rec.exit = {AttemptOutcome::kRetry, kExitRetryable, std::string(next.status().message())};
+      rec.end_s = Now();
+      rec.checkpoint_step = LatestCheckpointStep(options_.checkpoint_dir);
+      std::fprintf(stderr, "smat_launch: attempt %d not started: %s\n", attempt,
+                   rec.exit.reason.c_str());
+      return rec;
+    }
+    job = *std::move(next);
+  }
+  const std::vector<std::string> argv = MpirunArgv(job, attempt);
   const std::string log_path = absl::StrCat(options_.log_dir, "/attempt_", attempt, ".log");
   std::FILE* log = std::fopen(log_path.c_str(), "w");
   std::fprintf(stderr, "smat_launch: attempt %d: %s\n", attempt, ShellJoin(argv).c_str());

@@ -24,9 +24,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "launcher/mpirun_command.h"
 
@@ -45,6 +47,11 @@ struct SupervisorOptions {
   // No output line for this long: the job is hung (outside any collective,
   // whose deadline would have ended it), terminated and restarted. 0: off.
   double hang_timeout_seconds = 0;
+  // When set, asked before every restart (attempt >= 1) for the job to run:
+  // smat_launch --elastic shrinks it to the hosts that answer
+  // (launcher/elastic.h). An error is a failed attempt, retried after the
+  // backoff. Unset: every attempt runs `job`.
+  std::function<absl::StatusOr<JobCommand>(int attempt)> job_for_attempt;
 };
 
 enum class AttemptOutcome : int { kFinished = 0, kRetry = 1, kStop = 2 };
