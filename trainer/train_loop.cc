@@ -230,7 +230,10 @@ int64_t Trainer::NumEvalBatches() const {
   const int64_t per_batch = config_.data().batch_size() * config_.data().seq_len();
   int64_t n = std::max<int64_t>(1, (kEvalTokens + per_batch - 1) / per_batch);
   if (config_.data().kind() == DataConfig::TEXT) {
+    // Whole rounds of dp batches within the held-out windows, so no window is
+    // counted twice; a file too short for one round wraps around (data.h).
     n = std::min<int64_t>(n, std::max<int64_t>(1, sampler_->NumEvalBatches()));
+    return std::max<int64_t>(dp, n / dp * dp);
   }
   return (n + dp - 1) / dp * dp;
 }
@@ -247,8 +250,6 @@ absl::StatusOr<EvalStats> Trainer::Evaluate() {
   std::vector<double> mine(2 + 2 * rounds * B, 0.0);
   bool have_argmax = true;
   for (int64_t round = 0; round < rounds; ++round) {
-    // TEXT batches past the held-out file's end wrap around (data.h); the
-    // count was capped so that they do not.
     SMAT_ASSIGN_OR_RETURN(Batch batch, sampler_->EvalBatch(round * dp + pg_.dp_rank()));
     ModelInputs in;
     in.tokens = batch.inputs;

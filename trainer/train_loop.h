@@ -143,7 +143,8 @@ class Trainer {
   const BatchSampler& sampler() const { return *sampler_; }
   const TrainConfig& config() const { return config_; }
 
-  // Evaluation set size in tokens (rounded up to whole batches for every dp group).
+  // Evaluation set size in tokens: rounded up to whole batches for every dp
+  // group (recall tasks), or down to the held-out file's whole windows (TEXT).
   static constexpr int64_t kEvalTokens = 65536;
   // Number of evaluation batches, a multiple of dp.
   int64_t NumEvalBatches() const;
