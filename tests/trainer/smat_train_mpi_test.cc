@@ -1,5 +1,5 @@
 // smat_train end to end under mpirun (the test runs mpirun itself): a short
-// 2-rank run prints the rank -> host map, progress and evaluation as plain
+// 2-rank run prints the rank placement, progress and evaluation as plain
 // lines and exits 0; bad configs, a wrong world size, a missing data file and
 // impossible shapes stop every rank before any step with exit code 2; a loss
 // that turns NaN/inf exits 4 (core/exit_codes.h).
@@ -62,7 +62,9 @@ int RunTrain(int np, const std::string& args, std::string* output) {
 TEST(SmatTrainCli, ShortRunPrintsProgressAndAccuracy) {
   std::string out;
   ASSERT_EQ(RunTrain(2, "", &out), kExitOk) << out;
-  EXPECT_TRUE(absl::StrContains(out, "smat: 2 ranks: ranks 0-1 on")) << out;
+  // Rank 0's placement table (parallel/rank_placement.h), one row per rank.
+  EXPECT_TRUE(absl::StrContains(out, "smat: 2 ranks launched by")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "rank  host")) << out;
   EXPECT_TRUE(absl::StrContains(out, "step 2/4  loss")) << out;
   EXPECT_TRUE(absl::StrContains(out, "step 4/4  loss")) << out;
   EXPECT_TRUE(absl::StrContains(out, "eval 4/4  loss")) << out;
