@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 
 namespace smat {
 
@@ -87,21 +86,5 @@ void ProgressPrinter::Line(const std::string& text) {
 
 void ProgressPrinter::Step(const ProgressLine& line) { Line(FormatProgressLine(line)); }
 void ProgressPrinter::Eval(const EvalLine& line) { Line(FormatEvalLine(line)); }
-
-std::string FormatRankHostMap(const std::vector<std::string>& hosts) {
-  // Consecutive ranks on one host are written as a range (0-3), the way mpirun
-  // places them by slot.
-  std::vector<std::string> parts;
-  size_t i = 0;
-  while (i < hosts.size()) {
-    size_t j = i;
-    while (j + 1 < hosts.size() && hosts[j + 1] == hosts[i]) ++j;
-    parts.push_back(i == j ? absl::StrCat("rank ", i, " on ", hosts[i])
-                           : absl::StrCat("ranks ", i, "-", j, " on ", hosts[i]));
-    i = j + 1;
-  }
-  return absl::StrCat("smat: ", hosts.size(), hosts.size() == 1 ? " rank: " : " ranks: ",
-                      absl::StrJoin(parts, "; "));
-}
 
 }  // namespace smat

@@ -1,5 +1,6 @@
 // Human-readable progress of a training run: one line per logged step, one per
-// evaluation, the rank -> host map at start-up. Rank 0 prints; every line is
+// evaluation (the rank placement table at start-up comes from
+// parallel/rank_placement.h). Rank 0 prints; every line is
 // complete and newline-terminated (no carriage returns or cursor movement), so
 // the same output reads well in a terminal, under mpirun's forwarding and in a
 // log file (lines are flushed one by one, since a pipe or file is
@@ -12,7 +13,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
-#include <vector>
 
 namespace smat {
 
@@ -69,8 +69,5 @@ class ProgressPrinter {
   std::FILE* out_;
   bool enabled_;
 };
-
-// "ranks: 0,1 on node-a; 2,3 on node-b" from hosts[r] = host name of rank r.
-std::string FormatRankHostMap(const std::vector<std::string>& hosts);
 
 }  // namespace smat

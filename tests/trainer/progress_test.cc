@@ -1,4 +1,4 @@
-// Progress lines: units, the rank -> host map, and that lines written to a
+// Progress lines: units, line layout, and that lines written to a
 // file are plain newline-terminated text (no carriage returns).
 #include "trainer/progress.h"
 
@@ -55,12 +55,6 @@ TEST(ProgressTest, Lines) {
   text.loss = 1.0;
   text.bits_per_byte = 1.4427;
   EXPECT_EQ(FormatEvalLine(text), "eval 7/9  loss 1.0000  bpb 1.4427");
-}
-
-TEST(ProgressTest, RankHostMap) {
-  EXPECT_EQ(FormatRankHostMap({"a"}), "smat: 1 rank: rank 0 on a");
-  EXPECT_EQ(FormatRankHostMap({"a", "a", "b", "b", "a"}),
-            "smat: 5 ranks: ranks 0-1 on a; ranks 2-3 on b; rank 4 on a");
 }
 
 TEST(ProgressTest, FileOutputIsPlainLines) {
