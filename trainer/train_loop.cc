@@ -348,6 +348,9 @@ absl::Status Trainer::Run(const TrainHooks& hooks) {
   double steady_seconds = 0;
   int64_t steady_steps = 0;
   const int64_t first = state_.step;
+  // Resumed from a checkpoint of the last step: nothing to train, but the
+  // caller still gets the run's evaluation.
+  if (first >= total && run.eval_every() > 0) return evaluate();
   while (state_.step < total) {
     SMAT_ASSIGN_OR_RETURN(StepStats st, Step());
     if (hooks.on_step) hooks.on_step(st);

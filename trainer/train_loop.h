@@ -126,7 +126,8 @@ class Trainer {
                                                          ProcessGroup& pg, Backend& backend);
 
   // Steps from state().step to run.steps, evaluating every run.eval_every steps
-  // and after the last step (when eval_every > 0), logging every run.log_every.
+  // and after the last step (when eval_every > 0; also when a resumed run has
+  // no step left), logging every run.log_every.
   absl::Status Run(const TrainHooks& hooks);
 
   // One optimizer step (collective over the grid).
