@@ -13,7 +13,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libabsl-dev libprotobuf-dev protobuf-compiler prometheus-cpp-dev libgtest-dev
   libopenmpi-dev openmpi-bin libopenblas-dev zlib1g-dev
-  prometheus curl iproute2 procps
+  prometheus curl iproute2 procps python3-yaml
 )
 
 missing=()
