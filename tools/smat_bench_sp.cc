@@ -2,7 +2,6 @@
 #include "tools/smat_bench_sp.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -19,6 +18,7 @@
 #include "core/status.h"
 #include "kernels/backend.h"
 #include "kernels/smat.h"
+#include "parallel/comm_stats.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/process_group.h"
 #include "parallel/sequence_parallel_smat.h"
@@ -31,143 +31,12 @@ namespace {
 constexpr int kMinGpuReps = 10;
 constexpr int kMinGpuWarmup = 2;
 
-using Clock = std::chrono::steady_clock;
-
-double MsBetween(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   const size_t k = v.size() / 2;
   return v.size() % 2 ? v[k] : 0.5 * (v[k - 1] + v[k]);
 }
-
-// --- collectives, recorded ------------------------------------------------------------
-
-// One collective of one run.
-struct CollectiveRecord {
-  std::string phase;  // "forward", "backward"
-  std::string op;     // "AllGather", "AllReduce", ...
-  int64_t words = 0;  // elements each rank ends with (AllGather: size x sent)
-  double wire_bytes = 0;  // bytes a ring sends per rank (and receives)
-  Clock::time_point start;
-  double in_flight_ms = 0;  // Start called -> Wait returned
-  double waited_ms = 0;     // blocked in Start + Wait
-};
-
-struct CollectiveLog {
-  std::string phase;
-  std::vector<CollectiveRecord> records;
-};
-
-class RecordedHandle final : public CollectiveHandle {
- public:
-  RecordedHandle(std::unique_ptr<CollectiveHandle> inner, std::shared_ptr<CollectiveLog> log,
-                 size_t index)
-      : inner_(std::move(inner)), log_(std::move(log)), index_(index) {}
-
-  absl::Status Wait() override {
-    const Clock::time_point t0 = Clock::now();
-    absl::Status s = inner_->Wait();
-    const Clock::time_point t1 = Clock::now();
-    CollectiveRecord& rec = log_->records[index_];
-    rec.waited_ms += MsBetween(t0, t1);
-    rec.in_flight_ms = MsBetween(rec.start, t1);
-    return s;
-  }
-  absl::StatusOr<bool> Poll() override {
-    absl::StatusOr<bool> done = inner_->Poll();
-    if (done.ok() && *done) {
-      CollectiveRecord& rec = log_->records[index_];
-      rec.in_flight_ms = MsBetween(rec.start, Clock::now());
-    }
-    return done;
-  }
-
- private:
-  std::unique_ptr<CollectiveHandle> inner_;
-  std::shared_ptr<CollectiveLog> log_;
-  size_t index_;
-};
-
-// A Communicator that forwards every call to `inner` and records each
-// collective in `log` (words, ring bytes, times), so the benchmark measures
-// exactly what the sequence-parallel op sends.
-class RecordingCommunicator final : public Communicator {
- public:
-  RecordingCommunicator(Communicator& inner, std::shared_ptr<CollectiveLog> log)
-      : inner_(&inner), log_(std::move(log)) {}
-  // Owns what it wraps (the result of Split).
-  RecordingCommunicator(std::unique_ptr<Communicator> owned, std::shared_ptr<CollectiveLog> log)
-      : owned_(std::move(owned)), inner_(owned_.get()), log_(std::move(log)) {}
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  Device device() const override { return inner_->device(); }
-  std::string name() const override { return inner_->name(); }
-  absl::Duration default_timeout() const override { return inner_->default_timeout(); }
-
-  absl::StatusOr<std::unique_ptr<CollectiveHandle>> StartAllReduce(
-      Tensor& data, absl::Duration timeout) override {
-    const double W = size(), bytes = static_cast<double>(data.nbytes());
-    return Record("AllReduce", data.numel(), 2 * (W - 1) / W * bytes,
-                  [&] { return inner_->StartAllReduce(data, timeout); });
-  }
-  absl::StatusOr<std::unique_ptr<CollectiveHandle>> StartAllGather(
-      const Tensor& send, Tensor& recv, absl::Duration timeout) override {
-    return Record("AllGather", recv.numel(), (size() - 1) * static_cast<double>(send.nbytes()),
-                  [&] { return inner_->StartAllGather(send, recv, timeout); });
-  }
-  absl::StatusOr<std::unique_ptr<CollectiveHandle>> StartReduceScatter(
-      const Tensor& send, Tensor& recv, absl::Duration timeout) override {
-    const double W = size();
-    return Record("ReduceScatter", recv.numel(), (W - 1) / W * static_cast<double>(send.nbytes()),
-                  [&] { return inner_->StartReduceScatter(send, recv, timeout); });
-  }
-  absl::StatusOr<std::unique_ptr<CollectiveHandle>> StartBroadcast(
-      Tensor& data, int root, absl::Duration timeout) override {
-    return Record("Broadcast", data.numel(), static_cast<double>(data.nbytes()),
-                  [&] { return inner_->StartBroadcast(data, root, timeout); });
-  }
-  absl::StatusOr<std::unique_ptr<CollectiveHandle>> StartBarrier(
-      absl::Duration timeout) override {
-    return Record("Barrier", 0, 0, [&] { return inner_->StartBarrier(timeout); });
-  }
-
-  void Abort(const std::string& reason) override { inner_->Abort(reason); }
-  bool aborted() const override { return inner_->aborted(); }
-
-  // The child records into a log of its own (the benchmark never splits).
-  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> child, inner_->Split(color, key));
-    return std::unique_ptr<Communicator>(
-        new RecordingCommunicator(std::move(child), std::make_shared<CollectiveLog>()));
-  }
-
- private:
-  template <typename StartFn>
-  absl::StatusOr<std::unique_ptr<CollectiveHandle>> Record(const char* op, int64_t words,
-                                                           double wire_bytes, StartFn start) {
-    CollectiveRecord rec;
-    rec.phase = log_->phase;
-    rec.op = op;
-    rec.words = words;
-    rec.wire_bytes = wire_bytes;
-    rec.start = Clock::now();
-    absl::StatusOr<std::unique_ptr<CollectiveHandle>> inner = start();
-    rec.waited_ms = MsBetween(rec.start, Clock::now());
-    if (!inner.ok()) return inner.status();
-    log_->records.push_back(rec);
-    return std::unique_ptr<CollectiveHandle>(
-        new RecordedHandle(std::move(inner).value(), log_, log_->records.size() - 1));
-  }
-
-  std::unique_ptr<Communicator> owned_;  // null unless made by Split
-  Communicator* inner_;
-  std::shared_ptr<CollectiveLog> log_;
-};
 
 // What SequenceParallelVolume and ARCHITECTURE.md section 4 say the k-th
 // collective of kind `op` in `phase` moves per rank, in words.
@@ -326,8 +195,10 @@ absl::Status RunOnRanks(ProcessGroup& pg, const SmatBenchConfig& cfg, const SpBe
   SMAT_ASSIGN_OR_RETURN(Tensor d_o, SpanRandom(*backend, {B, L, H, dv}, T, span, DType::kF32,
                                                cfg.seed + 4, -1.f, 1.f));
 
-  auto log = std::make_shared<CollectiveLog>();
-  RecordingCommunicator comm(pg.sequence(), log);
+  // Every collective of the op, recorded (parallel/comm_stats.h) so the tables
+  // show exactly what it sends.
+  CommRecorder log;
+  RecordingCommunicator comm(pg.sequence(), &log);
   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> e0, backend->CreateEvent());
   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> e1, backend->CreateEvent());
   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Event> e2, backend->CreateEvent());
@@ -341,13 +212,13 @@ absl::Status RunOnRanks(ProcessGroup& pg, const SmatBenchConfig& cfg, const SpBe
     grads = SmatGradients();
     SMAT_RETURN_IF_ERROR(backend->Synchronize(nullptr));
     SMAT_RETURN_IF_ERROR(Annotate(host.Barrier(), "barrier before run ", it));
-    log->records.clear();
+    log.Reset();
     SMAT_RETURN_IF_ERROR(backend->Record(*e0, nullptr));
-    log->phase = "forward";
+    log.set_phase("forward");
     SMAT_RETURN_IF_ERROR(Annotate(
         SequenceParallelSmatForward(*backend, comm, plan, spans, in, &fwd), "forward"));
     SMAT_RETURN_IF_ERROR(backend->Record(*e1, nullptr));
-    log->phase = "backward";
+    log.set_phase("backward");
     SMAT_RETURN_IF_ERROR(Annotate(
         SequenceParallelSmatBackward(*backend, comm, plan, spans, in, fwd, d_o, &grads),
         "backward"));
@@ -359,21 +230,21 @@ absl::Status RunOnRanks(ProcessGroup& pg, const SmatBenchConfig& cfg, const SpBe
     fwd_ms.push_back(f);
     all_ms.push_back(a);
     if (shape_of_run.empty()) {
-      shape_of_run = log->records;
+      shape_of_run = log.records();
       coll_in_flight.resize(shape_of_run.size());
       coll_waited.resize(shape_of_run.size());
     }
-    if (log->records.size() != shape_of_run.size()) {
-      return absl::InternalError(absl::StrCat("run ", it, " issued ", log->records.size(),
+    if (log.records().size() != shape_of_run.size()) {
+      return absl::InternalError(absl::StrCat("run ", it, " issued ", log.records().size(),
                                               " collectives, the first timed run ",
                                               shape_of_run.size()));
     }
     double fl = 0, wt = 0;
-    for (size_t i = 0; i < log->records.size(); ++i) {
-      coll_in_flight[i].push_back(log->records[i].in_flight_ms);
-      coll_waited[i].push_back(log->records[i].waited_ms);
-      fl += log->records[i].in_flight_ms;
-      wt += log->records[i].waited_ms;
+    for (size_t i = 0; i < log.records().size(); ++i) {
+      coll_in_flight[i].push_back(1e3 * log.records()[i].in_flight_seconds);
+      coll_waited[i].push_back(1e3 * log.records()[i].waited_seconds);
+      fl += 1e3 * log.records()[i].in_flight_seconds;
+      wt += 1e3 * log.records()[i].waited_seconds;
     }
     in_flight.push_back(fl);
     waited.push_back(wt);
@@ -452,7 +323,7 @@ absl::Status RunOnRanks(ProcessGroup& pg, const SmatBenchConfig& cfg, const SpBe
     for (int64_t j = 0; j < i; ++j) {
       k += shape_of_run[j].phase == c.phase && shape_of_run[j].op == c.op ? 1 : 0;
     }
-    const Expected e = ExpectedWords(c.phase, c.op, k, vol, plan, sp, B, H, r, p);
+    const Expected e = ExpectedWords(c.phase, CollectiveOpName(c.op), k, vol, plan, sp, B, H, r, p);
     const bool match = e.words == c.words;
     all_match &= match;
     double fl = 0, wt = 0;
@@ -462,7 +333,7 @@ absl::Status RunOnRanks(ProcessGroup& pg, const SmatBenchConfig& cfg, const SpBe
     }
     wire += c.wire_bytes;
     std::printf("| %s %s | %s | %s | %s | %s | %s | %.0f | %.3f | %.3f |\n", c.phase.c_str(),
-                c.op.c_str(), e.what.empty() ? "?" : e.what.c_str(),
+                CollectiveOpName(c.op), e.what.empty() ? "?" : e.what.c_str(),
                 Words(static_cast<double>(c.words)).c_str(),
                 e.formula.empty() ? "none" : e.formula.c_str(),
                 e.words < 0 ? "-" : absl::StrCat(e.words).c_str(), match ? "yes" : "NO",

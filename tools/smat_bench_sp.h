@@ -10,7 +10,8 @@
 // Per rank: warm-up, then forward and forward+backward timed with backend
 // events (CUDA events on the GPU) in the same runs, after a host barrier so
 // the ranks start together; median of the timed runs. The sequence
-// communicator is wrapped so every collective is recorded: its words, the bytes
+// communicator is wrapped (RecordingCommunicator, parallel/comm_stats.h, as
+// the trainer's metrics do) so every collective is recorded: its words, the bytes
 // a ring sends per rank, the time from Start to the end of Wait ("in flight")
 // and the time the rank was blocked in Start + Wait ("waited", the exposed
 // part). Rank 0 prints the per-rank table, the per-collective table beside
