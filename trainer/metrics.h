@@ -11,8 +11,8 @@
 //   smat_loss_is_finite                     gauge      0 once a step's loss was NaN/inf
 //   smat_tokens_total                       counter    tokens this rank processed
 //   smat_step_duration_seconds              histogram  wall time per step
-//   smat_comm_seconds_total{op}             counter    time in collectives, per kind
-//   smat_comm_bytes_total{op}               counter    bytes this rank sent, per kind
+//   smat_comm_seconds_total{op}             counter    time blocked in collectives, per kind
+//   smat_comm_bytes_total{op}               counter    bytes of the tensors they filled, per kind
 //   smat_grad_norm, smat_learning_rate      gauges
 //   smat_checkpoint_duration_seconds        gauge      time the loop waited for the newest save
 //   smat_checkpoint_bytes                   gauge      bytes this rank wrote for a save
@@ -33,7 +33,10 @@
 // rank gathering the others' ports, and a restarted job on a different grid
 // simply rewrites them. A rank that ends cleanly removes its two files. The
 // advertised host is metrics.host, or this machine's host name when
-// metrics.host is a wildcard address (0.0.0.0, ::).
+// metrics.host is a wildcard address (0.0.0.0, ::). A job started by
+// smat_launch also has <run_dir>/metrics/targets.json with every rank of the
+// job (fixed ports only), written before the ranks start, and the launcher
+// removes an earlier attempt's rank files first (launcher/metrics_targets.h).
 //
 // Cost: an update is a handful of relaxed atomic adds and one uncontended
 // histogram lock (docs/PERFORMANCE.md, "Instrumentation overhead": well below
@@ -77,8 +80,10 @@ namespace smat {
 // is read only during the RecordStep call, so a literal or any live string will do.
 struct CommOpRecord {
   std::string_view op;
-  double seconds = 0;  // wall time this rank spent waiting in / running it
-  int64_t bytes = 0;   // bytes this rank sent
+  // The trainer reports every collective of the step, the SMat layers'
+  // included, with these meanings (parallel/comm_stats.h):
+  double seconds = 0;  // host time this rank was blocked in them
+  int64_t bytes = 0;   // bytes of the tensors they filled on this rank
 };
 
 // What one optimizer step on this rank produced, for RecordStep.

@@ -316,8 +316,10 @@ int Main(int argc, char** argv) {
     rec.step_seconds = step.step_seconds;
     rec.grad_norm = step.grad_norm;
     rec.learning_rate = step.learning_rate;
-    rec.comm.push_back({"all_gather", step.allgather_seconds, step.allgather_bytes});
-    rec.comm.push_back({"all_reduce", step.allreduce_seconds, step.allreduce_bytes});
+    for (int i = 0; i < kNumCollectiveOps; ++i) {  // the SMat layers' and the loop's
+      const CollectiveOp op = static_cast<CollectiveOp>(i);
+      rec.comm.push_back({CollectiveOpLabel(op), step.comm[op].seconds, step.comm[op].bytes});
+    }
     (*metrics)->RecordStep(rec);
     (*metrics)->SetDeviceMemoryBytes(ResidentBytes() + step.activation_bytes);
   };

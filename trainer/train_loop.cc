@@ -101,6 +101,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
                           Tensor::Empty({std::max<int64_t>(total, 1)}, DType::kF32,
                                         backend.allocator()));
   }
+  t->sequence_ = std::make_unique<RecordingCommunicator>(pg.sequence(), &t->comm_);
+  t->world_ = std::make_unique<RecordingCommunicator>(pg.world(), &t->comm_);
+  t->host_world_ = std::make_unique<RecordingCommunicator>(pg.host_world(), &t->comm_);
   t->state_.model = t->model_.get();
   t->state_.optimizer = t->optimizer_.get();
   t->state_.dp = pg.dp();
@@ -108,8 +111,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   return t;
 }
 
-absl::StatusOr<std::vector<double>> Trainer::GatherDoubles(const std::vector<double>& values,
-                                                           double* seconds, int64_t* bytes) {
+absl::StatusOr<std::vector<double>> Trainer::GatherDoubles(const std::vector<double>& values) {
   const int64_t n = static_cast<int64_t>(values.size());
   const int world = pg_.world_size();
   std::vector<double> out(static_cast<size_t>(n) * world);
@@ -123,15 +125,12 @@ absl::StatusOr<std::vector<double>> Trainer::GatherDoubles(const std::vector<dou
   SMAT_ASSIGN_OR_RETURN(Tensor send, Tensor::Empty({n}, DType::kI64));
   SMAT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty({n * world}, DType::kI64));
   std::memcpy(send.raw(), values.data(), n * sizeof(double));
-  const double t0 = Now();
-  SMAT_RETURN_IF_ERROR(pg_.host_world().AllGather(send, recv));
-  if (seconds != nullptr) *seconds += Now() - t0;
-  if (bytes != nullptr) *bytes += n * static_cast<int64_t>(sizeof(double)) * (world - 1);
+  SMAT_RETURN_IF_ERROR(host_world_->AllGather(send, recv));
   std::memcpy(out.data(), recv.raw(), out.size() * sizeof(double));
   return out;
 }
 
-absl::Status Trainer::AllReduceGradients(double* seconds, int64_t* bytes) {
+absl::Status Trainer::AllReduceGradients() {
   const int world = pg_.world_size();
   if (world == 1) return absl::OkStatus();
   // One packed all-reduce instead of one per parameter: a small model has
@@ -144,11 +143,7 @@ absl::Status Trainer::AllReduceGradients(double* seconds, int64_t* bytes) {
   }
   SMAT_RETURN_IF_ERROR(backend_.Synchronize(nullptr));
   Tensor all = grad_buffer_.View(0, {offset});
-  const double t0 = Now();
-  SMAT_RETURN_IF_ERROR(pg_.world().AllReduce(all));
-  if (seconds != nullptr) *seconds += Now() - t0;
-  // A ring all-reduce sends 2 (W - 1) / W of the buffer from each rank.
-  if (bytes != nullptr) *bytes += 2 * (world - 1) * offset * 4 / world;
+  SMAT_RETURN_IF_ERROR(world_->AllReduce(all));
   offset = 0;
   for (Parameter& p : model_->parameters()) {
     Tensor src = grad_buffer_.View(offset, {p.grad.numel()});
@@ -162,13 +157,14 @@ absl::StatusOr<StepStats> Trainer::Step() {
   const double t_start = Now();
   const int64_t step = state_.step;
   StepStats st;
+  comm_.Reset();
   SMAT_ASSIGN_OR_RETURN(Batch batch, sampler_->TrainBatch(step, pg_.dp_rank()));
   SMAT_RETURN_IF_ERROR(model_->ZeroGrad());
   ModelInputs in;
   in.tokens = batch.inputs;
   in.targets = batch.targets;
   in.loss_mask = batch.loss_mask;
-  absl::StatusOr<LossParts> forward = model_->Forward(pg_.sequence(), in);
+  absl::StatusOr<LossParts> forward = model_->Forward(*sequence_, in);
   if (!forward.ok()) {
     return ClassifyModelError(forward.status(), model_->parameters(), step, "forward");
   }
@@ -176,8 +172,7 @@ absl::StatusOr<StepStats> Trainer::Step() {
   st.activation_bytes = model_->ActivationBytes();
 
   SMAT_ASSIGN_OR_RETURN(std::vector<double> all,
-                        GatherDoubles({parts.loss_sum, parts.token_count}, &st.allgather_seconds,
-                                      &st.allgather_bytes));
+                        GatherDoubles({parts.loss_sum, parts.token_count}));
   double loss_sum = 0, count = 0;
   for (int r = 0; r < pg_.world_size(); ++r) {
     loss_sum += all[2 * r];
@@ -202,7 +197,7 @@ absl::StatusOr<StepStats> Trainer::Step() {
   if (absl::Status b = model_->Backward(count); !b.ok()) {
     return ClassifyModelError(b, model_->parameters(), step, "backward");
   }
-  SMAT_RETURN_IF_ERROR(AllReduceGradients(&st.allreduce_seconds, &st.allreduce_bytes));
+  SMAT_RETURN_IF_ERROR(AllReduceGradients());
   SMAT_ASSIGN_OR_RETURN(st.grad_norm, GlobalGradNorm(optimizer_->params(), &backend_));
   if (!std::isfinite(st.grad_norm)) {
     return MarkNonFiniteLoss(absl::InternalError(absl::StrFormat(
@@ -221,6 +216,7 @@ absl::StatusOr<StepStats> Trainer::Step() {
   st.tokens = pg_.dp() * B * T;
   const SmatSpan span = model_->span();
   st.tokens_local = B * (span.length() > 0 ? span.length() : T);
+  st.comm = comm_.totals();
   st.step_seconds = Now() - t_start;
   return st;
 }
@@ -255,7 +251,7 @@ absl::StatusOr<EvalStats> Trainer::Evaluate() {
     in.tokens = batch.inputs;
     in.targets = batch.targets;
     in.loss_mask = batch.loss_mask;
-    SMAT_ASSIGN_OR_RETURN(LossParts parts, model_->Forward(pg_.sequence(), in));
+    SMAT_ASSIGN_OR_RETURN(LossParts parts, model_->Forward(*sequence_, in));
     mine[0] += parts.loss_sum;
     mine[1] += parts.token_count;
     if (static_cast<int64_t>(parts.correct.size()) != B ||
@@ -270,7 +266,7 @@ absl::StatusOr<EvalStats> Trainer::Evaluate() {
   }
   // have_argmax is the same on every rank (same model code), so the gathered
   // vectors have one length everywhere.
-  SMAT_ASSIGN_OR_RETURN(std::vector<double> all, GatherDoubles(mine, nullptr, nullptr));
+  SMAT_ASSIGN_OR_RETURN(std::vector<double> all, GatherDoubles(mine));
   const size_t n = mine.size();
   EvalStats ev;
   ev.step = state_.step;

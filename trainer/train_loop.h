@@ -39,6 +39,7 @@
 #include "core/config.pb.h"
 #include "core/tensor.h"
 #include "kernels/backend.h"
+#include "parallel/comm_stats.h"
 #include "parallel/process_group.h"
 #include "trainer/data.h"
 #include "trainer/model.h"
@@ -82,13 +83,12 @@ struct StepStats {
   double step_seconds = 0;     // wall time of the step on this rank
   double grad_norm = 0;        // global norm before clipping
   double learning_rate = 0;
-  // This rank's collectives of the loop itself (the SMat layers' own, inside
-  // Model::Forward/Backward, are not counted here): the loss all-gather and the
-  // packed gradient all-reduce; seconds waited and bytes sent.
-  double allgather_seconds = 0;
-  int64_t allgather_bytes = 0;
-  double allreduce_seconds = 0;
-  int64_t allreduce_bytes = 0;
+  // Every collective this rank issued in the step, per kind: the SMat layers'
+  // and the short-conv halo exchange inside Model::Forward/Backward (sequence
+  // group) and the loop's loss all-gather and gradient all-reduce (world).
+  // Seconds blocked in them and bytes of the tensors they filled
+  // (parallel/comm_stats.h); one-rank communicators count nothing.
+  CommStats comm;
   int64_t activation_bytes = 0;
 };
 
@@ -156,9 +156,8 @@ class Trainer {
 
   // Sums `values` (n doubles per rank) over the world in rank order; returns
   // [world, n] so callers can also sum per group. Deterministic, exact inputs.
-  absl::StatusOr<std::vector<double>> GatherDoubles(const std::vector<double>& values,
-                                                    double* seconds, int64_t* bytes);
-  absl::Status AllReduceGradients(double* seconds, int64_t* bytes);
+  absl::StatusOr<std::vector<double>> GatherDoubles(const std::vector<double>& values);
+  absl::Status AllReduceGradients();
 
   TrainConfig config_;
   ProcessGroup& pg_;
@@ -168,6 +167,10 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   TrainState state_;
   Tensor grad_buffer_;  // fp32 [sum of parameter sizes]: the packed gradient all-reduce
+  // Every collective goes through these wrappers of pg_'s communicators, so a
+  // step reports all it sent (StepStats::comm); Step resets the recorder.
+  CommRecorder comm_;
+  std::unique_ptr<RecordingCommunicator> sequence_, world_, host_world_;
 };
 
 }  // namespace smat
