@@ -27,6 +27,11 @@
 //                      that answer, parallel.dp/sp shrunk to fit (launcher/elastic.h);
 //                      back on the full grid once every host answers again
 //   --probe_timeout S  seconds a host gets to answer the probe (default 10)
+//   --targets_file F   the job's Prometheus file_sd targets, one per rank, host:(metrics.port
+//                      + local rank), rewritten before every attempt (default
+//                      run.dir/metrics/targets.json; launcher/metrics_targets.h). Stale
+//                      rank_<R>.json/.port files of earlier attempts are removed first.
+//                      metrics.port = 0: no file (the ranks' own files list their ports)
 //   --dry_run          print the first attempt's mpirun command and exit
 // Without --np/--hosts/--hostfile the launch environment gives the defaults:
 // the hostfile Open MPI is told of ($OMPI_MCA_orte_default_hostfile, set by the
@@ -49,6 +54,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -61,6 +67,7 @@
 #include "core/exit_codes.h"
 #include "core/status.h"
 #include "launcher/elastic.h"
+#include "launcher/metrics_targets.h"
 #include "launcher/mpirun_command.h"
 #include "launcher/supervisor.h"
 #include "parallel/launch_env.h"
@@ -73,7 +80,7 @@ void OnStopSignal(int sig) { stop_signal.store(sig); }
 
 struct Flags {
   int np = 0;
-  std::string hosts, hostfile, config, log_dir, mpirun = "mpirun", train;
+  std::string hosts, hostfile, config, log_dir, mpirun = "mpirun", train, targets_file;
   std::vector<std::string> sets, exports, mpirun_args;
   int max_restarts = 3;
   double backoff = 10, backoff_max = 300, stop_grace = 120, hang_timeout = 0;
@@ -86,7 +93,7 @@ constexpr char kUsage[] =
     "         [--set PATH=VALUE]... [-x VAR[=VALUE]]... [--max_restarts N] [--backoff S]\n"
     "         [--backoff_max S] [--log_dir DIR] [--mpirun PATH] [--mpirun_arg ARG]...\n"
     "         [--train PATH] [--stop_grace S] [--hang_timeout S]\n"
-    "         [--elastic] [--probe_timeout S] [--dry_run]\n";
+    "         [--elastic] [--probe_timeout S] [--targets_file FILE] [--dry_run]\n";
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
@@ -151,6 +158,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       SMAT_ASSIGN_OR_RETURN(f.mpirun, take());
     } else if (arg == "--train") {
       SMAT_ASSIGN_OR_RETURN(f.train, take());
+    } else if (arg == "--targets_file") {
+      SMAT_ASSIGN_OR_RETURN(f.targets_file, take());
     } else if (arg == "--probe_timeout") {
       SMAT_RETURN_IF_ERROR(take_double(&f.probe_timeout));
     } else if (arg == "--elastic") {
@@ -198,8 +207,10 @@ absl::Status MakeDirectories(const std::string& path) {
 }
 
 // Builds the job from the flags and the config; kInvalidArgument/kNotFound
-// for anything the user must fix.
-absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
+// for anything the user must fix. *before_first: what to run before attempt 0
+// (later attempts run it inside job_for_attempt).
+absl::StatusOr<SupervisorOptions> Prepare(
+    const Flags& f, std::function<void(const JobCommand&)>* before_first) {
   SMAT_ASSIGN_OR_RETURN(TrainConfig config, LoadConfig(f.config, f.sets));
   SupervisorOptions o;
   JobCommand& job = o.job;
@@ -277,6 +288,35 @@ absl::StatusOr<SupervisorOptions> Prepare(const Flags& f) {
       return ElasticJob(job, plan);
     };
   }
+  if (config.metrics().enabled()) {
+    // Prometheus targets of the attempt's ranks (launcher/metrics_targets.h).
+    // Inside a Slurm allocation without hosts the placement is mpirun's to
+    // find: only the stale rank files are removed then. A failure is a
+    // warning: metrics are not worth a failed attempt.
+    const std::string metrics_dir = config.run().dir() + "/metrics";
+    std::string targets_file =
+        f.targets_file.empty() ? metrics_dir + "/targets.json" : f.targets_file;
+    if (job.hosts.empty() && job.hostfile.empty() && slurm_tasks > 0) targets_file.clear();
+    const int port = config.metrics().port();
+    const std::string host = config.metrics().host();
+    *before_first = [=](const JobCommand& attempt_job) {
+      absl::Status s =
+          PrepareMetricsTargets(attempt_job, port, host, metrics_dir, targets_file);
+      if (!s.ok()) {
+        std::fprintf(stderr, "smat_launch: warning: %s\n", std::string(s.message()).c_str());
+      }
+    };
+    auto next_job = o.job_for_attempt;
+    o.job_for_attempt = [next_job, base = o.job,
+                         prepare = *before_first](int attempt) -> absl::StatusOr<JobCommand> {
+      JobCommand j = base;
+      if (next_job) {
+        SMAT_ASSIGN_OR_RETURN(j, next_job(attempt));
+      }
+      prepare(j);
+      return j;
+    };
+  }
   return o;
 }
 
@@ -289,7 +329,8 @@ int Main(int argc, char** argv) {
     std::fputs(kUsage, stderr);
     return kExitBadInput;
   }
-  absl::StatusOr<SupervisorOptions> options = Prepare(*flags);
+  std::function<void(const JobCommand&)> before_first;
+  absl::StatusOr<SupervisorOptions> options = Prepare(*flags, &before_first);
   if (!options.ok()) {
     std::fprintf(stderr, "smat_launch: %s\n", std::string(options.status().message()).c_str());
     return ExitCodeForStatus(options.status());
@@ -311,6 +352,7 @@ int Main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
 
+  if (before_first) before_first(options->job);
   Supervisor supervisor(*options, &stop_signal);
   const int code = supervisor.Run();
   const std::string summary = supervisor.Summary();
