@@ -633,14 +633,21 @@ absl::StatusOr<Batch> BatchSampler::MqarBatch(uint64_t first_example, uint64_t s
   return batch;
 }
 
-absl::StatusOr<Batch> BatchSampler::TrainBatch(int64_t step, int dp_rank) const {
-  if (step < 0 || dp_rank < 0 || dp_rank >= dp_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TrainBatch: step ", step, ", dp_rank ", dp_rank, " outside [0, ", dp_, ")"));
+absl::StatusOr<Batch> BatchSampler::TrainBatchAt(int64_t cursor, int dp_rank) const {
+  // Training streams must stay below kEvalStream (top bit), which no real
+  // cursor approaches.
+  if (cursor < 0 || cursor >= (int64_t{1} << 62) || dp_rank < 0 || dp_rank >= dp_) {
+    return absl::InvalidArgumentError(absl::StrCat("TrainBatchAt: cursor ", cursor, ", dp_rank ",
+                                                   dp_rank, " outside [0, ", dp_, ")"));
   }
-  const int64_t first = (step * dp_ + dp_rank) * data_.batch_size();
+  const int64_t first = cursor + dp_rank * data_.batch_size();
   if (data_.kind() == DataConfig::TEXT) return TextBatch(*train_, first, /*random=*/true);
   return MqarBatch(static_cast<uint64_t>(first), 0);
+}
+
+absl::StatusOr<Batch> BatchSampler::TrainBatch(int64_t step, int dp_rank) const {
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("TrainBatch: step ", step, " < 0"));
+  return TrainBatchAt(step * GlobalBatchSequences(), dp_rank);
 }
 
 absl::StatusOr<Batch> BatchSampler::EvalBatch(int64_t index) const {

@@ -11,15 +11,22 @@
 //       32  N*w  tokens
 // The file size must be exactly 32 + N * w: anything else is a damaged file.
 //
-// Determinism: a batch is a pure function of (config, step, dp rank). Sequence
-// g = (step * dp + dp_rank) * batch_size + b of the run draws its randomness from
-// Philox (core/rng.h) with key data.seed and stream g, so a resumed run sees the
-// same data as an uninterrupted one and no cursor needs to be carried beyond the
-// step number.
+// Determinism: the training data is one stream of sequences indexed by their
+// global sequence index g = 0, 1, 2, ...; sequence g draws its randomness from
+// Philox (core/rng.h) with key data.seed and stream g, whatever the grid. A step
+// consumes the next G = dp * batch_size sequences from the cursor c (the index
+// of the next unread sequence), dp rank k taking the contiguous share
+// [c + k * batch_size, c + (k + 1) * batch_size), and the cursor moves to c + G.
+// Contiguous rather than strided: one dp rank on batch 2B reads exactly what
+// ranks 0 and 1 of a dp = 2, batch B grid read, in the same order. The cursor is
+// what a checkpoint stores, so a run resumed on another grid (another dp, hence
+// another G) continues at the next unread sequence: none skipped, none repeated.
+// On one grid from step 0 the cursor is step * G.
 //
 //   SMAT_ASSIGN_OR_RETURN(auto sampler, BatchSampler::Create(cfg.data(), cfg.model().vocab_size(),
 //                                                            cfg.parallel().dp()));
-//   SMAT_ASSIGN_OR_RETURN(Batch b, sampler->TrainBatch(step, dp_rank));
+//   SMAT_ASSIGN_OR_RETURN(Batch b, sampler->TrainBatchAt(cursor, dp_rank));
+//   cursor += sampler->GlobalBatchSequences();
 #pragma once
 
 #include <cstdint>
@@ -183,8 +190,15 @@ class BatchSampler {
   static absl::StatusOr<std::unique_ptr<BatchSampler>> Create(const DataConfig& data,
                                                               int64_t model_vocab, int dp);
 
-  // Training batch of data.batch_size sequences for (step, dp_rank).
+  // Training batch of dp rank `dp_rank` for the step whose first global
+  // sequence is `cursor`: sequences [cursor + dp_rank * B, cursor + (dp_rank + 1) * B)
+  // with B = data.batch_size.
+  absl::StatusOr<Batch> TrainBatchAt(int64_t cursor, int dp_rank) const;
+  // Step `step` of a run that kept one grid since step 0:
+  // TrainBatchAt(step * GlobalBatchSequences(), dp_rank).
   absl::StatusOr<Batch> TrainBatch(int64_t step, int dp_rank) const;
+  // Sequences one step consumes over all dp ranks: dp * data.batch_size.
+  int64_t GlobalBatchSequences() const { return dp_ * data_.batch_size(); }
   // Evaluation batch `index` (same size): TEXT reads consecutive, non-overlapping
   // windows of the held-out file (wrapping around); MQAR draws fresh examples
   // from a stream disjoint from training.

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "core/exit_codes.h"
 #include "core/status.h"
+#include "trainer/checkpoint.h"
 
 namespace smat {
 namespace {
@@ -64,9 +65,24 @@ std::vector<std::pair<std::string, Tensor>> TrainState::Tensors() const {
   return out;
 }
 
-void TrainState::RestoreStep(int64_t completed_steps) {
+void TrainState::RestoreStep(int64_t completed_steps, int64_t sampler_cursor) {
   step = completed_steps;
+  cursor = sampler_cursor;
   if (optimizer != nullptr) optimizer->set_step_count(completed_steps);
+}
+
+absl::StatusOr<uint32_t> TrainStateCrc32(const TrainState& state, Backend& backend) {
+  uint32_t crc = 0;
+  for (const auto& [name, t] : state.Tensors()) {
+    Tensor host = t;
+    if (!t.device().is_cpu()) {
+      SMAT_ASSIGN_OR_RETURN(host, Tensor::Empty(t.shape(), t.dtype()));
+      SMAT_RETURN_IF_ERROR(backend.Copy(t, host));
+      SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+    }
+    crc = Crc32(crc, host.raw(), host.nbytes());
+  }
+  return crc;
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& config,
@@ -158,7 +174,9 @@ absl::StatusOr<StepStats> Trainer::Step() {
   const int64_t step = state_.step;
   StepStats st;
   comm_.Reset();
-  SMAT_ASSIGN_OR_RETURN(Batch batch, sampler_->TrainBatch(step, pg_.dp_rank()));
+  st.first_sequence = state_.cursor;
+  st.sequences = sampler_->GlobalBatchSequences();
+  SMAT_ASSIGN_OR_RETURN(Batch batch, sampler_->TrainBatchAt(state_.cursor, pg_.dp_rank()));
   SMAT_RETURN_IF_ERROR(model_->ZeroGrad());
   ModelInputs in;
   in.tokens = batch.inputs;
@@ -210,6 +228,7 @@ absl::StatusOr<StepStats> Trainer::Step() {
       optimizer_->Step(static_cast<float>(st.learning_rate),
                        ClipScale(st.grad_norm, config_.optimizer().grad_clip())));
   state_.step = step + 1;
+  state_.cursor += st.sequences;
   st.step = state_.step;
   const int64_t T = config_.data().seq_len();
   const int64_t B = config_.data().batch_size();
@@ -350,6 +369,11 @@ absl::Status Trainer::Run(const TrainHooks& hooks) {
   while (state_.step < total) {
     SMAT_ASSIGN_OR_RETURN(StepStats st, Step());
     if (hooks.on_step) hooks.on_step(st);
+    if (progress != nullptr && run.log_data()) {
+      progress->Line(absl::StrFormat("data: step %d sequences [%d, %d) (dp %d x batch %d)", st.step,
+                                     st.first_sequence, st.first_sequence + st.sequences, pg_.dp(),
+                                     config_.data().batch_size()));
+    }
     window_seconds += st.step_seconds;
     window_tokens += static_cast<double>(st.tokens);
     ++window_steps;

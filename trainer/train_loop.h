@@ -3,8 +3,10 @@
 // on a dp x sp grid of ranks (ARCHITECTURE.md section 4).
 //
 // One step on world rank w (dp group w / sp, sequence rank w % sp):
-//   1. batch = sampler.TrainBatch(step, dp_rank): every sp rank of a group
-//      reads the same sequences and runs its own chunk-aligned span of them.
+//   1. batch = sampler.TrainBatchAt(cursor, dp_rank): every sp rank of a group
+//      reads the same sequences and runs its own chunk-aligned span of them;
+//      the cursor (global index of the next sequence) then moves by
+//      dp * batch_size (trainer/data.h).
 //   2. (loss_sum, token_count) of the span; all-gathered over the world and
 //      summed in rank order in double, so every rank sees the same global loss.
 //      A NaN/inf loss stops here, on every rank, before any update
@@ -55,11 +57,13 @@ struct TrainState {
   Model* model = nullptr;
   AdamW* optimizer = nullptr;
   int64_t dp = 1, batch_size = 1;
+  // Global index of the next training sequence. Each step consumes dp *
+  // batch_size sequences from here (trainer/data.h); it equals step * dp *
+  // batch_size only while the grid never changed, so it is saved and restored
+  // itself: a run resumed on another dp continues the same data stream.
+  int64_t cursor = 0;
 
-  // Global index of the next training sequence: step * dp * batch_size. The
-  // sampler is a pure function of (data.seed, step, dp rank) (trainer/data.h),
-  // so on the same dp the step alone positions it.
-  int64_t sampler_cursor() const { return step * dp * batch_size; }
+  int64_t sampler_cursor() const { return cursor; }
 
   // Named host tensors, sharing the live buffers (restoring = copying into
   // them): every parameter under its model name, then "adam_m/<name>" and
@@ -67,15 +71,24 @@ struct TrainState {
   // CUDA run copies them out first.
   std::vector<std::pair<std::string, Tensor>> Tensors() const;
 
-  // After a checkpoint's tensors were copied in: sets the step and the
-  // optimizer's bias-correction count (one update per step).
-  void RestoreStep(int64_t completed_steps);
+  // After a checkpoint's tensors were copied in: sets the step, the data
+  // cursor (CheckpointState::sampler_cursor) and the optimizer's
+  // bias-correction count (one update per step).
+  void RestoreStep(int64_t completed_steps, int64_t sampler_cursor);
 };
+
+// CRC-32 over the bytes of every tensor of state.Tensors() in order (device
+// tensors copied to host first): one number that two processes compare to
+// show they hold the same parameters and optimizer moments, e.g. a run
+// resumed on another grid against the checkpoint it loaded.
+absl::StatusOr<uint32_t> TrainStateCrc32(const TrainState& state, Backend& backend);
 
 // What one step produced, for progress lines and metrics. The same on every
 // rank except tokens_local and the comm figures.
 struct StepStats {
   int64_t step = 0;            // steps completed, this one included
+  int64_t first_sequence = 0;  // global sequences [first_sequence, first_sequence +
+  int64_t sequences = 0;       //   sequences) made this step's batch (all dp ranks)
   double loss = 0;             // mean loss over the job's counted tokens
   double loss_tokens = 0;      // tokens the loss counted (job)
   int64_t tokens = 0;          // tokens processed by the job: dp * batch * T
@@ -127,7 +140,8 @@ class Trainer {
 
   // Steps from state().step to run.steps, evaluating every run.eval_every steps
   // and after the last step (when eval_every > 0; also when a resumed run has
-  // no step left), logging every run.log_every.
+  // no step left), logging every run.log_every (and, with run.log_data, every
+  // step's global sequence range: "data: step N sequences [a, b)").
   absl::Status Run(const TrainHooks& hooks);
 
   // One optimizer step (collective over the grid).

@@ -302,6 +302,39 @@ bool SameRow(const Tensor& a, int64_t ra, const Tensor& b, int64_t rb) {
   return std::memcmp(a.data<int32_t>() + ra * T, b.data<int32_t>() + rb * T, T * 4) == 0;
 }
 
+// The stream seen through the cursor: a step at cursor c on dp ranks of batch
+// B reads sequences [c, c + dp * B), rank k the contiguous share from c + k * B,
+// whatever the grid; so a resume on another dp continues at the cursor with
+// no sequence skipped or repeated.
+TEST(BatchSamplerTest, TrainBatchAtReadsTheGlobalStreamFromTheCursor) {
+  auto one = BatchSampler::Create(MqarConfig(4), 64, /*dp=*/1);
+  auto two = BatchSampler::Create(MqarConfig(2), 64, /*dp=*/2);
+  auto small = BatchSampler::Create(MqarConfig(2), 64, /*dp=*/1);
+  ASSERT_TRUE(one.ok() && two.ok() && small.ok());
+  EXPECT_EQ((*one)->GlobalBatchSequences(), 4);
+  EXPECT_EQ((*two)->GlobalBatchSequences(), 4);
+  // Cursor 6 (not a multiple of either global batch: a run that changed grid).
+  auto a = (*one)->TrainBatchAt(6, 0);       // sequences 6..9
+  auto r0 = (*two)->TrainBatchAt(6, 0);      // 6, 7
+  auto r1 = (*two)->TrainBatchAt(6, 1);      // 8, 9
+  auto next = (*small)->TrainBatchAt(8, 0);  // 8, 9 as the next step of batch 2
+  ASSERT_TRUE(a.ok() && r0.ok() && r1.ok() && next.ok());
+  for (int64_t b = 0; b < 2; ++b) {
+    EXPECT_TRUE(SameRow(a->inputs, b, r0->inputs, b));
+    EXPECT_TRUE(SameRow(a->inputs, 2 + b, r1->inputs, b));
+    EXPECT_TRUE(SameRow(a->targets, 2 + b, r1->targets, b));
+    EXPECT_TRUE(SameRow(r1->inputs, b, next->inputs, b));
+  }
+  EXPECT_FALSE(SameRow(a->inputs, 0, a->inputs, 1));
+  // The step form is the cursor form of a run that kept its grid.
+  auto step3 = (*two)->TrainBatch(3, 1);
+  auto at12 = (*two)->TrainBatchAt(12, 1);
+  ASSERT_TRUE(step3.ok() && at12.ok());
+  EXPECT_TRUE(SameRow(step3->inputs, 1, at12->inputs, 1));
+  EXPECT_EQ((*two)->TrainBatchAt(-1, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*two)->TrainBatchAt(0, 2).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(BatchSamplerTest, MqarBatchesDependOnlyOnTheGlobalSequenceIndex) {
   auto one = BatchSampler::Create(MqarConfig(4), 64, /*dp=*/1);
   auto two = BatchSampler::Create(MqarConfig(2), 64, /*dp=*/2);
