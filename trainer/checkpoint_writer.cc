@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -198,6 +199,7 @@ struct CheckpointWriter::Pending {
   // Set by WriteShard; `written` last, so a reader that sees it sees the rest.
   absl::Status write_status;
   uint32_t crc = 0;
+  double write_seconds = 0;  // CRC, write and fsyncs of this rank's shard
   std::atomic<bool> written{false};
 };
 
@@ -209,6 +211,7 @@ CheckpointWriter::~CheckpointWriter() {
 }
 
 void CheckpointWriter::WriteShard(Pending* p) {
+  const auto t0 = std::chrono::steady_clock::now();
   p->write_status = [p]() -> absl::Status {
     SMAT_RETURN_IF_ERROR(MakeDirectories(p->tmp_path));
     const std::string file = p->tmp_path + "/" + ShardFileName(p->rank);
@@ -220,6 +223,7 @@ void CheckpointWriter::WriteShard(Pending* p) {
     MaybeInjectFault(p->fault, FaultPhase::kAfterShards, p->step, p->rank);
     return absl::OkStatus();
   }();
+  p->write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   p->written.store(true, std::memory_order_release);
 }
 
@@ -385,6 +389,7 @@ absl::Status CheckpointWriter::Commit() {
   if (!status.ok()) return status;
   last_committed_step_ = p->step;
   last_shard_bytes_ = p->shard.size();
+  last_write_seconds_ = p->write_seconds;
   return absl::OkStatus();
 }
 

@@ -115,6 +115,10 @@ class CheckpointWriter {
   absl::Status Finish();
   // Bytes this rank wrote for the newest committed save.
   uint64_t last_shard_bytes() const { return last_shard_bytes_; }
+  // Seconds this rank spent writing that shard (CRC, write, fsyncs; on the
+  // background thread when async): last_shard_bytes() / this is the rank's
+  // write bandwidth.
+  double last_write_seconds() const { return last_write_seconds_; }
   // Step of the newest committed checkpoint (-1 before the first).
   int64_t last_committed_step() const { return last_committed_step_; }
 
@@ -128,6 +132,7 @@ class CheckpointWriter {
   std::unique_ptr<Pending> pending_;
   std::thread thread_;
   uint64_t last_shard_bytes_ = 0;
+  double last_write_seconds_ = 0;
   int64_t last_committed_step_ = -1;
 };
 

@@ -198,7 +198,7 @@ absl::StatusOr<std::string> Resume(const TrainConfig& cfg, Trainer& trainer, Bac
     SMAT_RETURN_IF_ERROR(backend.Copy(src, dst));
   }
   SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
-  trainer.state().RestoreStep(ck.step);
+  trainer.state().RestoreStep(ck.step, ck.sampler_cursor);
   return path;
 }
 
@@ -283,6 +283,11 @@ int Main(int argc, char** argv) {
   if (!resumed->empty()) {
     progress.Line(absl::StrCat("smat: resumed from ", *resumed, " at step ",
                                s.trainer->state().step));
+    // Equal on any grid that loads this checkpoint (tests compare it).
+    absl::StatusOr<uint32_t> crc = TrainStateCrc32(s.trainer->state(), *s.backend);
+    if (!crc.ok()) return fail(crc.status());
+    progress.Line(absl::StrFormat("smat: resumed state: data cursor %d, crc32 %08x",
+                                  s.trainer->state().sampler_cursor(), *crc));
   }
   absl::StatusOr<std::unique_ptr<TrainingMetrics>> metrics = TrainingMetrics::Create(
       s.config.metrics(), rank, s.pg->local_rank(), s.config.run().dir());
@@ -337,6 +342,18 @@ int Main(int argc, char** argv) {
     rec.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
     rec.bytes = static_cast<int64_t>(writer.last_shard_bytes());
     (*metrics)->RecordCheckpoint(rec);
+    // Rank 0's figures: the stall, and the previous save's background write
+    // (Save committed it), for the checkpoint cost in docs/PERFORMANCE.md.
+    std::string line = absl::StrFormat("smat: checkpoint step %d: loop stalled %.2f ms", ts.step,
+                                       rec.seconds * 1e3);
+    if (writer.last_committed_step() >= 0 && writer.last_write_seconds() > 0) {
+      absl::StrAppendFormat(&line,
+                            "; step %d committed, %d bytes a rank written in %.1f ms (%.1f MB/s)",
+                            writer.last_committed_step(), writer.last_shard_bytes(),
+                            writer.last_write_seconds() * 1e3,
+                            writer.last_shard_bytes() / writer.last_write_seconds() / 1e6);
+    }
+    progress.Line(line);
     return absl::OkStatus();
   };
   hooks.after_step = [&](const TrainState& ts) -> absl::Status {
