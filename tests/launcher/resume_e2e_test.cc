@@ -7,18 +7,28 @@
 //     byte-identical shard for shard and loads to the same tensors and step;
 //   * every step the restarted attempt logs after its resume point shows the
 //     same loss, learning rate and gradient norm as the uninterrupted run.
-// A second test preempts the job with SIGTERM to the launcher and launches
-// it again. ARCHITECTURE.md section 5 promises this: fixed-order reductions, a data
-// sampler that is a pure function of the step, counter-based random numbers.
+// Further tests: the same with 4 ranks (dp 2 x sp 2); a crash before the
+// commit rename; SIGTERM to the launcher and a relaunch; a rank stopped by
+// SIGSTOP inside a collective (every rank fails at the collective deadline,
+// the launcher restarts); a flipped byte in the newest checkpoint (skipped,
+// the previous one resumed); a checkpoint of sp = 2 resumed on sp = 4 and on
+// dp = 2 x sp = 1 (the same state, the data stream continued at the cursor).
+// ARCHITECTURE.md section 5 promises this: fixed-order reductions, a data
+// sampler that is a pure function of the global sequence index, counter-based
+// random numbers.
 #include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <sstream>
@@ -147,7 +157,8 @@ pid_t FindRank(const std::string& tag, int rank) {
 
 // Checkpoint `step` under dir_a and dir_b: the same tensors, step and cursor,
 // and byte-identical shards (both written by 2 ranks).
-void ExpectSameCheckpoint(const std::string& dir_a, const std::string& dir_b, int step) {
+void ExpectSameCheckpoint(const std::string& dir_a, const std::string& dir_b, int step,
+                          int shards = 2) {
   SCOPED_TRACE(absl::StrCat("checkpoint step ", step));
   const std::string a = CheckpointPath(dir_a, step), b = CheckpointPath(dir_b, step);
   absl::StatusOr<CheckpointState> sa = LoadCheckpoint(a), sb = LoadCheckpoint(b);
@@ -165,7 +176,7 @@ void ExpectSameCheckpoint(const std::string& dir_a, const std::string& dir_b, in
     EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
         << "tensor " << sa->tensors[i].name << " differs";
   }
-  for (int shard = 0; shard < 2; ++shard) {
+  for (int shard = 0; shard < shards; ++shard) {
     EXPECT_EQ(ReadFile(a + "/" + ShardFileName(shard)), ReadFile(b + "/" + ShardFileName(shard)))
         << "shard " << shard;
   }
@@ -365,6 +376,321 @@ TEST(ResumeE2E, SigtermToTheLauncherCheckpointsAndTheRelaunchMatches) {
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->writer_ranks(), 1);
   EXPECT_EQ(m->dp(), 1);
+}
+
+// The 4-rank variant of the kill test (dp = 2 x sp = 2, so the sequence-parallel
+// collectives are in the step): rank 3 is killed by SIGKILL at a random step;
+// the restarted job's steps and checkpoints equal an uninterrupted run's bit
+// for bit. Fewer, shorter steps than the 2-rank test: 4 ranks share 2 cores.
+TEST(ResumeE2E, KilledRankOfAFourRankJobIsRestartedAndMatches) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+  constexpr int kFourSteps = 9;
+  TempDir dir;
+  const std::string ref = dir.path() + "/reference", run = dir.path() + "/interrupted";
+  auto four_ranks = [&](const std::string& run_dir) {
+    std::vector<std::string> args = LaunchArgs(run_dir, kFourSteps);
+    args[1] = "4";  // --np
+    args.insert(args.end(), {"--set", "parallel.sp=2", "--set", "data.seq_len=128", "--set",
+                             "data.batch_size=2"});
+    return args;
+  };
+  std::vector<std::string> args = four_ranks(ref);
+  args.insert(args.end(), {"--max_restarts", "0"});
+  ASSERT_EQ(RunLauncher(args, dir.path() + "/reference.out", 120), 0)
+      << ReadFile(dir.path() + "/reference.out");
+  const std::map<int, std::string> ref_steps = StepFigures(ReadFile(ref + "/launch/attempt_0.log"));
+  ASSERT_EQ(ref_steps.size(), static_cast<size_t>(kFourSteps));
+
+  const unsigned seed =
+      static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count());
+  const int kill_after = 4 + static_cast<int>(std::mt19937(seed)() % 3);  // 4..6
+  SCOPED_TRACE(absl::StrCat("rank 3 killed after step ", kill_after, " (seed ", seed, ")"));
+  const std::string tag = dir.path();
+  args = four_ranks(run);
+  args.insert(args.end(), {"--max_restarts", "2", "--backoff", "0.2", "-x", "SMAT_E2E_TAG=" + tag});
+  const std::string out = dir.path() + "/interrupted.out";
+  bool killed = false;
+  const int code = RunLauncher(args, out, 150, [&](pid_t) {
+    for (int i = 0; i < 3000 && !killed; ++i) {
+      const std::map<int, std::string> seen = StepFigures(ReadFile(out));
+      if (!seen.empty() && seen.rbegin()->first >= kill_after) {
+        const pid_t victim = FindRank(tag, 3);
+        if (victim > 0) killed = kill(victim, SIGKILL) == 0;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  const std::string output = ReadFile(out);
+  ASSERT_TRUE(killed) << output;
+  ASSERT_EQ(code, 0) << output;
+  const std::map<int, std::string> steps0 = StepFigures(ReadFile(run + "/launch/attempt_0.log"));
+  ASSERT_FALSE(steps0.empty());
+  EXPECT_LT(steps0.rbegin()->first, kFourSteps) << "the job finished before the kill";
+  const std::string log1 = ReadFile(run + "/launch/attempt_1.log");
+  ASSERT_TRUE(absl::StrContains(log1, "resumed from ")) << log1;
+  const std::map<int, std::string> steps1 = StepFigures(log1);
+  ASSERT_FALSE(steps1.empty()) << log1;
+  EXPECT_EQ((steps1.begin()->first - 1) % kEvery, 0) << log1;
+  EXPECT_EQ(steps1.rbegin()->first, kFourSteps);
+  for (const auto& [step, figures] : steps1) {
+    EXPECT_EQ(figures, ref_steps.at(step)) << "step " << step;
+  }
+  for (int step = kEvery; step <= kFourSteps; step += kEvery) {
+    ExpectSameCheckpoint(ref + "/checkpoints", run + "/checkpoints", step, 4);
+  }
+}
+
+// A wrapper for --train that arms SMAT_FAULT in the first launch attempt only
+// (SMAT_RESTART_COUNT = 0), so the restart runs clean.
+std::string WriteFirstAttemptFaultWrapper(const std::string& dir, const std::string& fault) {
+  const std::string path = dir + "/train_with_fault.sh";
+  std::ofstream f(path);
+  f << "#!/bin/sh\n"
+    << "if [ \"$SMAT_RESTART_COUNT\" = 0 ]; then export SMAT_FAULT='" << fault << "'; fi\n"
+    << "exec '" << SMAT_TRAIN_BINARY << "' \"$@\"\n";
+  f.close();
+  chmod(path.c_str(), 0755);
+  return path;
+}
+
+// Seconds since `t0` at which `needle` first appears in `path` (polled), or -1.
+double WhenSeen(const std::string& path, const std::string& needle,
+                std::chrono::steady_clock::time_point t0, double bound_s,
+                const std::function<bool()>& done) {
+  for (;;) {
+    const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (absl::StrContains(ReadFile(path), needle)) return now;
+    if (now > bound_s || done()) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// SIGSTOP of rank 1 inside a collective (SMAT_FAULT, first attempt only) with a
+// 10 s collective deadline: rank 0 fails the collective at the deadline, the
+// job ends with the retryable exit code 3 within deadline + slack of the stop,
+// smat_launch restarts it, the restart finishes, and the stopped process is not
+// left behind. Then a flipped byte in the newest checkpoint's shard: a rerun
+// names the shard and the CRC mismatch, skips it and resumes from the previous
+// checkpoint, whose continuation matches the first run.
+TEST(ResumeE2E, StoppedRankEndsTheJobAtTheDeadlineAndTheRestartFinishes) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+  constexpr double kDeadline = 10;
+  TempDir dir;
+  const std::string run = dir.path() + "/stopped", tag = dir.path();
+  // Call 20 of one of rank 1's communicators: the host world's (two
+  // collectives a step, three while a save is in flight) reaches it first,
+  // around step 7.
+  const std::string wrapper =
+      WriteFirstAttemptFaultWrapper(dir.path(), "stop_in_collective:rank=1:call=20");
+  std::vector<std::string> args = LaunchArgs(run);
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--train") args[i + 1] = wrapper;
+  }
+  args.insert(args.end(), {"--set", "parallel.collective_timeout_seconds=10", "--max_restarts", "1",
+                           "--backoff", "0.2", "-x", "SMAT_E2E_TAG=" + tag});
+  const std::string out = dir.path() + "/stopped.out";
+  double stopped_at = -1, ended_at = -1;
+  bool stopped_state = false;
+  const int code = RunLauncher(args, out, 150, [&](pid_t launcher) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto launcher_done = [&] { return kill(launcher, 0) != 0; };
+    stopped_at = WhenSeen(out, "injecting fault stop_in_collective", t0, 60, launcher_done);
+    // The victim really is stopped (state T) while rank 0 waits.
+    for (int i = 0; i < 100 && !stopped_state; ++i) {
+      const pid_t victim = FindRank(tag, 1);
+      const std::string stat = victim > 0 ? ReadFile(absl::StrCat("/proc/", victim, "/stat")) : "";
+      const size_t close = stat.rfind(')');
+      stopped_state =
+          close != std::string::npos && close + 2 < stat.size() && stat[close + 2] == 'T';
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ended_at = WhenSeen(out, "attempt 0 ended", t0, 90, launcher_done);
+  });
+  const std::string output = ReadFile(out);
+  ASSERT_EQ(code, 0) << output;
+  ASSERT_GE(stopped_at, 0) << "the fault never fired\n" << output;
+  EXPECT_TRUE(stopped_state) << "rank 1 was not seen stopped\n" << output;
+  ASSERT_GE(ended_at, 0) << output;
+  // Rank 0 gave up at the deadline (polling slack 1.5 s on shared cores).
+  const std::string log0 = ReadFile(run + "/launch/attempt_0.log");
+  EXPECT_TRUE(absl::StrContains(log0, "rank 0: DEADLINE_EXCEEDED")) << log0;
+  const size_t at = log0.find("(elapsed ");
+  ASSERT_NE(at, std::string::npos) << log0;
+  const double elapsed = std::atof(log0.c_str() + at + 9);
+  std::printf(
+      "[ measure  ] rank 1 stopped at %.2f s; rank 0 failed after %.3f s; attempt 0 "
+      "ended %.2f s after the stop\n",
+      stopped_at, elapsed, ended_at - stopped_at);
+  std::fflush(stdout);  // before the next fork copies the buffer
+  EXPECT_GE(elapsed, kDeadline);
+  EXPECT_LT(elapsed, kDeadline + 1.5);
+  // The whole job ended within the deadline plus 8 s (abort and mpirun's
+  // teardown of 2 ranks, one of them stopped) of the stop, with exit 3.
+  EXPECT_GE(ended_at - stopped_at, kDeadline - 0.5);
+  EXPECT_LT(ended_at - stopped_at, kDeadline + 8) << output;
+  EXPECT_TRUE(absl::StrContains(output, "attempt 0 ended after")) << output;
+  EXPECT_TRUE(absl::StrContains(log0, absl::StrCat("exit ", kExitRetryable, ","))) << log0;
+  // The restart resumed and finished; nothing of the first attempt is left.
+  const std::string log1 = ReadFile(run + "/launch/attempt_1.log");
+  EXPECT_TRUE(absl::StrContains(log1, "resumed from ")) << log1;
+  EXPECT_FALSE(absl::StrContains(log1, "injecting fault")) << log1;
+  const std::map<int, std::string> steps1 = StepFigures(log1);
+  ASSERT_FALSE(steps1.empty()) << log1;
+  EXPECT_EQ(steps1.rbegin()->first, kSteps);
+  for (int rank = 0; rank < 2; ++rank) {
+    const pid_t left = FindRank(tag, rank);
+    EXPECT_EQ(left, -1) << "rank " << rank << " process " << left << " outlived the job";
+    if (left > 0) kill(left, SIGKILL);
+  }
+
+  // A flipped byte in the newest checkpoint (step 18, shard 1).
+  const std::string ckpt = run + "/checkpoints";
+  const std::string shard = CheckpointPath(ckpt, kSteps) + "/" + ShardFileName(1);
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good()) << shard;
+    f.seekg(100);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(100);
+    f.write(&c, 1);
+  }
+  args = LaunchArgs(run);
+  args.insert(args.end(), {"--set", "checkpoint.every_steps=0", "--max_restarts", "0", "--log_dir",
+                           run + "/after_flip"});
+  ASSERT_EQ(RunLauncher(args, dir.path() + "/flip.out", 120), 0)
+      << ReadFile(dir.path() + "/flip.out");
+  const std::string flip = ReadFile(run + "/after_flip/attempt_0.log");
+  EXPECT_TRUE(absl::StrContains(flip, "checkpoint shard '" + shard + "': CRC-32 mismatch")) << flip;
+  const int previous = kSteps - kEvery;
+  EXPECT_TRUE(absl::StrContains(
+      flip, absl::StrCat("resumed from ", CheckpointPath(ckpt, previous), " at step ", previous)))
+      << flip;
+  const std::map<int, std::string> flip_steps = StepFigures(flip);
+  ASSERT_EQ(flip_steps.size(), static_cast<size_t>(kEvery)) << flip;
+  for (const auto& [step, figures] : flip_steps) {
+    EXPECT_EQ(figures, steps1.at(step)) << "step " << step;
+  }
+}
+
+// "data cursor C, crc32 X" of the "smat: resumed state:" line of `log`.
+bool ResumedState(const std::string& log, int64_t* cursor, std::string* crc) {
+  const size_t at = log.find("smat: resumed state: data cursor ");
+  if (at == std::string::npos) return false;
+  const size_t from = at + std::strlen("smat: resumed state: data cursor ");
+  const size_t comma = log.find(',', from);
+  const size_t c = log.find("crc32 ", comma);
+  if (comma == std::string::npos || c == std::string::npos) return false;
+  *crc = log.substr(c + 6, 8);
+  return absl::SimpleAtoi(log.substr(from, comma - from), cursor);
+}
+
+// "data: step N sequences [a, b)" lines of `log`: N -> (a, b).
+std::map<int, std::pair<int64_t, int64_t>> DataRanges(const std::string& log) {
+  std::map<int, std::pair<int64_t, int64_t>> out;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    int step = 0;
+    long long a = 0, b = 0;
+    if (std::sscanf(std::string(line).c_str(), "data: step %d sequences [%lld, %lld)", &step, &a,
+                    &b) == 3) {
+      out[step] = {a, b};
+    }
+  }
+  return out;
+}
+
+// A checkpoint written by dp 1 x sp 2 (2 ranks) resumes on dp 1 x sp 4 (4
+// ranks) and on dp 2 x sp 1 (2 ranks): every grid loads the same parameters
+// and optimizer moments (the CRC-32 the trainer prints over its state equals
+// the CRC of the checkpoint's tensors), starts at the saved data cursor, and
+// the sequences of the following steps continue the global stream with none
+// skipped or repeated (run.log_data), whatever the global batch. On sp = 4 the
+// losses continue the sp = 2 run's to fp32 rounding (same data, other sums).
+TEST(ResumeE2E, CheckpointOfOneGridResumesOnAnotherWithTheSameStateAndData) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+  constexpr int kSaved = 4, kMore = 2, kBatch = 2;
+  TempDir dir;
+  auto grid = [&](const std::string& run_dir, int np, int dp, int sp, int steps) {
+    std::vector<std::string> args = LaunchArgs(run_dir, steps);
+    args[1] = absl::StrCat(np);
+    args.insert(args.end(),
+                {"--set", absl::StrCat("parallel.dp=", dp), "--set",
+                 absl::StrCat("parallel.sp=", sp), "--set", "data.seq_len=128", "--set",
+                 absl::StrCat("data.batch_size=", kBatch), "--set", "run.log_data=true", "--set",
+                 absl::StrCat("checkpoint.every_steps=", kSaved), "--max_restarts", "0"});
+    return args;
+  };
+  // sp = 2 to step kSaved + kMore, with a checkpoint at kSaved.
+  const std::string base = dir.path() + "/sp2";
+  ASSERT_EQ(RunLauncher(grid(base, 2, 1, 2, kSaved + kMore), dir.path() + "/sp2.out", 120), 0)
+      << ReadFile(dir.path() + "/sp2.out");
+  const std::string base_log = ReadFile(base + "/launch/attempt_0.log");
+  const std::map<int, std::string> base_steps = StepFigures(base_log);
+  const std::map<int, std::pair<int64_t, int64_t>> base_data = DataRanges(base_log);
+  ASSERT_EQ(base_data.size(), static_cast<size_t>(kSaved + kMore)) << base_log;
+  absl::StatusOr<CheckpointState> saved =
+      LoadCheckpoint(CheckpointPath(base + "/checkpoints", kSaved));
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->sampler_cursor, int64_t{kSaved} * kBatch);
+  uint32_t crc = 0;
+  for (const NamedTensor& t : saved->tensors) crc = Crc32(crc, t.tensor.raw(), t.tensor.nbytes());
+  char want_crc[9];
+  std::snprintf(want_crc, sizeof(want_crc), "%08x", crc);
+
+  struct Grid {
+    int np, dp, sp;
+  };
+  for (const Grid& g : {Grid{4, 1, 4}, Grid{2, 2, 1}}) {
+    SCOPED_TRACE(absl::StrCat("resumed on dp ", g.dp, " x sp ", g.sp));
+    const std::string run = absl::StrCat(dir.path(), "/dp", g.dp, "sp", g.sp);
+    // Only the step-kSaved checkpoint, copied: the resume must pick it.
+    ASSERT_EQ(std::system(absl::StrCat("mkdir -p '", run, "/checkpoints' && cp -r '",
+                                       CheckpointPath(base + "/checkpoints", kSaved), "' '", run,
+                                       "/checkpoints/'")
+                              .c_str()),
+              0);
+    std::vector<std::string> args = grid(run, g.np, g.dp, g.sp, kSaved + kMore);
+    ASSERT_EQ(RunLauncher(args, run + ".out", 120), 0) << ReadFile(run + ".out");
+    const std::string log = ReadFile(run + "/launch/attempt_0.log");
+    int64_t cursor = -1;
+    std::string got_crc;
+    ASSERT_TRUE(ResumedState(log, &cursor, &got_crc)) << log;
+    EXPECT_EQ(cursor, saved->sampler_cursor);
+    EXPECT_EQ(got_crc, want_crc) << "the loaded parameters and moments differ from the checkpoint";
+    // The data continues at the cursor, dp * batch sequences a step.
+    const std::map<int, std::pair<int64_t, int64_t>> data = DataRanges(log);
+    ASSERT_EQ(data.size(), static_cast<size_t>(kMore)) << log;
+    int64_t next = saved->sampler_cursor;
+    for (const auto& [step, range] : data) {
+      EXPECT_EQ(range.first, next) << "step " << step;
+      EXPECT_EQ(range.second - range.first, int64_t{g.dp} * kBatch) << "step " << step;
+      next = range.second;
+    }
+    absl::StatusOr<CheckpointManifest> end =
+        VerifyCheckpoint(CheckpointPath(run + "/checkpoints", kSaved + kMore));
+    ASSERT_TRUE(end.ok()) << end.status();
+    EXPECT_EQ(end->sampler_cursor(), next);
+    if (g.dp == 1) {
+      // The same sequences as the sp = 2 run: the same steps' data, and losses
+      // equal to the printed digits up to fp32 rounding of other sums.
+      const std::map<int, std::string> steps = StepFigures(log);
+      for (const auto& [step, range] : data) EXPECT_EQ(range, base_data.at(step));
+      for (const auto& [step, figures] : steps) {
+        const double a = std::atof(figures.substr(figures.find(' ') + 1).c_str());
+        const std::string& ref = base_steps.at(step);
+        const double b = std::atof(ref.substr(ref.find(' ') + 1).c_str());
+        EXPECT_NEAR(a, b, 1e-3 * std::abs(b))
+            << "step " << step << ": " << figures << " vs " << ref;
+      }
+    }
+  }
 }
 
 }  // namespace
