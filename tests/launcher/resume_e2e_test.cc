@@ -302,6 +302,46 @@ TEST(ResumeE2E, CrashBeforeTheCommitRenameResumesFromThePreviousCheckpoint) {
   closedir(d);
 }
 
+// The two earlier phases of the save, killed the same way: rank 1 half-way
+// through writing its shard of step 9 (on the writer's background thread),
+// and rank 0 after its shard is fsynced but before the CRC exchange. Either
+// way step 9 never became a checkpoint: the restart resumes at step 6 and ends
+// like the uninterrupted run.
+TEST(ResumeE2E, CrashWhileWritingOrBeforeTheExchangeResumesFromThePreviousCheckpoint) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+  TempDir dir;
+  const std::string ref = dir.path() + "/reference";
+  std::vector<std::string> args = LaunchArgs(ref);
+  args.insert(args.end(), {"--max_restarts", "0"});
+  ASSERT_EQ(RunLauncher(args, dir.path() + "/reference.out", 120), 0)
+      << ReadFile(dir.path() + "/reference.out");
+  const std::map<int, std::string> ref_steps = StepFigures(ReadFile(ref + "/launch/attempt_0.log"));
+  for (const char* fault : {"writing_shards:9:1:0", "after_shards:9:0:0"}) {
+    SCOPED_TRACE(fault);
+    const std::string run = dir.path() + "/" + std::string(fault).substr(0, 12);
+    args = LaunchArgs(run);
+    args.insert(args.end(), {"--max_restarts", "1", "--backoff", "0", "-x",
+                             absl::StrCat("SMAT_FAULT_CHECKPOINT=", fault)});
+    const std::string out = run + ".out";
+    ASSERT_EQ(RunLauncher(args, out, 120), 0) << ReadFile(out);
+    EXPECT_TRUE(absl::StrContains(ReadFile(out), "injecting checkpoint fault (SIGKILL) at step 9"))
+        << ReadFile(out);
+    const std::string log1 = ReadFile(run + "/launch/attempt_1.log");
+    EXPECT_TRUE(absl::StrContains(log1, CheckpointDirName(6) + " at step 6")) << log1;
+    const std::map<int, std::string> steps = StepFigures(log1);
+    ASSERT_FALSE(steps.empty()) << log1;
+    EXPECT_EQ(steps.begin()->first, 7);
+    for (const auto& [step, figures] : steps) {
+      EXPECT_EQ(figures, ref_steps.at(step)) << "step " << step;
+    }
+    for (int step = kEvery; step <= kSteps; step += kEvery) {
+      ExpectSameCheckpoint(ref + "/checkpoints", run + "/checkpoints", step);
+    }
+  }
+}
+
 // SIGTERM to smat_launch: the ranks get SIGUSR2 through mpirun, agree on a
 // step, checkpoint it and exit 5; no restart. Launched again, the job resumes
 // there and ends exactly where an uninterrupted run ends.
