@@ -299,8 +299,7 @@ void ValidateSmatAndData(const TrainConfig& cfg, Checker& c) {
       }
       break;
     case DataConfig::MQAR:
-    case DataConfig::MULTI_KEY:
-    case DataConfig::SUBSET_ROUTING: {
+    case DataConfig::MULTI_KEY: {
       const std::string kind = DataConfig::Kind_Name(d.kind());
       c.Require(d.num_pairs() >= 1, "data.num_pairs", d.num_pairs(), "must be at least 1");
       // Keys come from one half of the vocabulary and values from the other, and
@@ -309,16 +308,61 @@ void ValidateSmatAndData(const TrainConfig& cfg, Checker& c) {
         c.Require(d.vocab() >= 2 * int64_t{d.num_pairs()} + 2, "data.vocab", d.vocab(),
                   absl::StrCat("is too small for data.num_pairs = ", d.num_pairs(),
                                " distinct keys; need at least ", 2 * int64_t{d.num_pairs()} + 2));
+      }
+      if (d.kind() == DataConfig::MQAR) {
         // Pairs take 2 tokens each and leave at least as much room for queries.
-        if (d.seq_len() >= 1 && 4 * int64_t{d.num_pairs()} > d.seq_len()) {
+        if (d.num_pairs() >= 1 && d.seq_len() >= 1 && 4 * int64_t{d.num_pairs()} > d.seq_len()) {
           c.Add(absl::StrCat("data.num_pairs = ", d.num_pairs(),
                              " does not fit data.seq_len = ", d.seq_len(),
                              " for data.kind = ", kind, "; need seq_len >= 4 * num_pairs"));
+        }
+      } else {
+        // Mirrors CheckMultiKeySpec (trainer/data.h): the pairs (2 tokens each)
+        // and the queries (k keys and k answers each) must fit one sequence.
+        c.Require(d.keys_per_query() >= 1 && d.keys_per_query() <= d.num_pairs(),
+                  "data.keys_per_query", d.keys_per_query(),
+                  absl::StrCat("must be in [1, data.num_pairs = ", d.num_pairs(), "]"));
+        c.Require(d.num_queries() >= 1, "data.num_queries", d.num_queries(), "must be at least 1");
+        const int64_t need = 2 * int64_t{d.num_pairs()} +
+                             2 * int64_t{d.keys_per_query()} * d.num_queries();
+        if (d.seq_len() >= 1 && need > d.seq_len()) {
+          c.Add(absl::StrCat("data.seq_len = ", d.seq_len(), " is too short for data.kind = ",
+                             kind, ": 2 * num_pairs + 2 * keys_per_query * num_queries = ", need,
+                             " tokens; raise seq_len or lower those"));
         }
       }
       if (d.vocab() > cfg.model().vocab_size()) {
         c.Add(absl::StrCat("data.vocab = ", d.vocab(), " exceeds model.vocab_size = ",
                            cfg.model().vocab_size(), " for data.kind = ", kind));
+      }
+      if (d.kind() != DataConfig::MQAR && d.layout() != DataConfig::UNIFORM) {
+        c.Add(absl::StrCat("data.layout = ", DataConfig::Layout_Name(d.layout()),
+                           " applies to data.kind = MQAR only; remove it"));
+      }
+      break;
+    }
+    case DataConfig::SUBSET_ROUTING: {
+      // Mirrors CheckSubsetRoutingSpec (trainer/data.h).
+      c.Require(d.landmarks() >= 1, "data.landmarks", d.landmarks(), "must be at least 1");
+      c.Require(d.num_queries() >= 1, "data.num_queries", d.num_queries(), "must be at least 1");
+      // Tokens 0-3 are filler, answer marker, select and skip; payloads need at
+      // least two values to be random.
+      c.Require(d.vocab() >= 6, "data.vocab", d.vocab(),
+                "must be at least 6 for data.kind = SUBSET_ROUTING (4 control tokens, 2+ payloads)");
+      const int64_t need = int64_t{d.landmarks()} + 2 * int64_t{d.landmarks()} * d.num_queries();
+      if (d.seq_len() >= 1 && need > d.seq_len()) {
+        c.Add(absl::StrCat("data.seq_len = ", d.seq_len(),
+                           " is too short for data.kind = SUBSET_ROUTING: landmarks + 2 * "
+                           "landmarks * num_queries = ",
+                           need, " tokens; raise seq_len or lower those"));
+      }
+      if (d.vocab() > cfg.model().vocab_size()) {
+        c.Add(absl::StrCat("data.vocab = ", d.vocab(), " exceeds model.vocab_size = ",
+                           cfg.model().vocab_size(), " for data.kind = SUBSET_ROUTING"));
+      }
+      if (d.layout() != DataConfig::UNIFORM) {
+        c.Add(absl::StrCat("data.layout = ", DataConfig::Layout_Name(d.layout()),
+                           " applies to data.kind = MQAR only; remove it"));
       }
       break;
     }
@@ -480,6 +524,9 @@ void ApplyDefaults(TrainConfig& config) {
   if (!d.has_batch_size()) d.set_batch_size(8);
   if (!d.has_num_pairs()) d.set_num_pairs(64);
   if (!d.has_vocab()) d.set_vocab(8192);
+  if (!d.has_keys_per_query()) d.set_keys_per_query(2);
+  if (!d.has_num_queries()) d.set_num_queries(8);
+  if (!d.has_landmarks()) d.set_landmarks(4);
 
   RunConfig& r = *config.mutable_run();
   if (!r.has_name()) r.set_name("smat");

@@ -59,7 +59,7 @@ class Draws {
   uint64_t seed_, stream_, next_ = 0;
 };
 
-// MQAR evaluation examples come from streams with the top bit set, disjoint from
+// Synthetic evaluation examples come from streams with the top bit set, disjoint from
 // the training streams (global sequence indices stay far below 2^63).
 constexpr uint64_t kEvalStream = uint64_t{1} << 63;
 
@@ -535,6 +535,150 @@ void MakeMqarExample(const MqarSpec& s, uint64_t seed, uint64_t index, int32_t* 
   }
 }
 
+// --- multi-key retrieval -----------------------------------------------------------------
+
+namespace {
+// n distinct values of [0, range) in increasing order, by Floyd's algorithm
+// (range may be 2^20 slots while n is tens).
+std::vector<int64_t> DistinctSorted(Draws& draws, int64_t n, int64_t range) {
+  std::unordered_set<int64_t> chosen;
+  for (int64_t j = range - n; j < range; ++j) {
+    const int64_t t = static_cast<int64_t>(draws.Below(static_cast<uint64_t>(j + 1)));
+    chosen.insert(chosen.count(t) ? j : t);
+  }
+  std::vector<int64_t> out(chosen.begin(), chosen.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+}  // namespace
+
+absl::Status CheckMultiKeySpec(const MultiKeySpec& s) {
+  if (s.num_pairs < 1 || s.num_queries < 1 || s.keys_per_query < 1 ||
+      s.keys_per_query > s.num_pairs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MULTI_KEY: num_pairs = ", s.num_pairs, " and num_queries = ", s.num_queries,
+        " must be >= 1 and keys_per_query = ", s.keys_per_query, " in [1, num_pairs]"));
+  }
+  const int64_t need = 2 * s.num_pairs + 2 * s.keys_per_query * s.num_queries;
+  if (s.seq_len < need) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MULTI_KEY: seq_len = ", s.seq_len, " is below 2 * num_pairs + 2 * keys_per_query * ",
+        "num_queries = ", need));
+  }
+  if (s.vocab < 2 * s.num_pairs + 2 || s.vocab > (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError(absl::StrCat("MULTI_KEY: vocab = ", s.vocab,
+                                                   " must be in [", 2 * s.num_pairs + 2,
+                                                   ", 2^31] for ", s.num_pairs, " pairs"));
+  }
+  return absl::OkStatus();
+}
+
+void MakeMultiKeyExample(const MultiKeySpec& s, uint64_t seed, uint64_t index, int32_t* inputs,
+                         int32_t* targets, float* mask) {
+  SMAT_CHECK(CheckMultiKeySpec(s).ok());
+  const int64_t T = s.seq_len, N = s.num_pairs, k = s.keys_per_query, Q = s.num_queries;
+  const int64_t half = 2 + (s.vocab - 2) / 2;
+  Draws draws(seed, index);
+  std::fill(inputs, inputs + T, 0);
+  std::fill(targets, targets + T, 0);
+  std::fill(mask, mask + T, 0.f);
+
+  // N distinct keys from [2, half) and N distinct payloads from [half, vocab):
+  // the N smallest draws of a partial Fisher-Yates shuffle of each range.
+  auto pick_distinct = [&](int64_t lo, int64_t hi) {
+    std::vector<int32_t> pool(static_cast<size_t>(hi - lo));
+    for (int64_t i = 0; i < hi - lo; ++i) pool[i] = static_cast<int32_t>(lo + i);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t j = i + static_cast<int64_t>(draws.Below(static_cast<uint64_t>(hi - lo - i)));
+      std::swap(pool[i], pool[j]);
+    }
+    pool.resize(static_cast<size_t>(N));
+    return pool;
+  };
+  const std::vector<int32_t> keys = pick_distinct(2, half);
+  const std::vector<int32_t> payloads = pick_distinct(half, s.vocab);
+  // Pair i at the i-th of N sorted random even offsets of the context, so pair
+  // indices are in context order.
+  const int64_t context = T - 2 * k * Q;
+  const std::vector<int64_t> slots = DistinctSorted(draws, N, context / 2);
+  for (int64_t i = 0; i < N; ++i) {
+    inputs[2 * slots[i]] = keys[i];
+    inputs[2 * slots[i] + 1] = payloads[i];
+  }
+  std::vector<int64_t> pairs(static_cast<size_t>(N));
+  for (int64_t q = 0; q < Q; ++q) {
+    // A fresh k-subset of the pairs, listed in context order.
+    for (int64_t i = 0; i < N; ++i) pairs[i] = i;
+    for (int64_t i = 0; i < k; ++i) {
+      std::swap(pairs[i], pairs[i + draws.Below(static_cast<uint64_t>(N - i))]);
+    }
+    std::sort(pairs.begin(), pairs.begin() + k);
+    const int64_t at = context + 2 * k * q;
+    for (int64_t j = 0; j < k; ++j) {
+      inputs[at + j] = keys[pairs[j]];
+      inputs[at + k + j] = kTaskAnswerToken;
+      targets[at + k + j] = payloads[pairs[j]];
+      mask[at + k + j] = 1.f;
+    }
+  }
+}
+
+// --- subset routing ------------------------------------------------------------------------
+
+absl::Status CheckSubsetRoutingSpec(const SubsetRoutingSpec& s) {
+  if (s.landmarks < 1 || s.num_queries < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("SUBSET_ROUTING: landmarks = ", s.landmarks,
+                                                   " and num_queries = ", s.num_queries,
+                                                   " must both be >= 1"));
+  }
+  const int64_t need = s.landmarks + 2 * s.landmarks * s.num_queries;
+  if (s.seq_len < need) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SUBSET_ROUTING: seq_len = ", s.seq_len,
+                     " is below landmarks + 2 * landmarks * num_queries = ", need));
+  }
+  if (s.vocab < kSubsetFirstPayload + 2 || s.vocab > (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SUBSET_ROUTING: vocab = ", s.vocab, " must be in [", kSubsetFirstPayload + 2,
+        ", 2^31] (4 control tokens and at least 2 payload values)"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t SubsetLandmarkPosition(const SubsetRoutingSpec& s, int64_t l) {
+  const int64_t context = s.seq_len - 2 * s.landmarks * s.num_queries;
+  return (2 * l + 1) * context / (2 * s.landmarks);
+}
+
+void MakeSubsetRoutingExample(const SubsetRoutingSpec& s, uint64_t seed, uint64_t index,
+                              int32_t* inputs, int32_t* targets, float* mask) {
+  SMAT_CHECK(CheckSubsetRoutingSpec(s).ok());
+  const int64_t T = s.seq_len, k = s.landmarks, Q = s.num_queries;
+  Draws draws(seed, index);
+  std::fill(inputs, inputs + T, 0);
+  std::fill(targets, targets + T, 0);
+  std::fill(mask, mask + T, 0.f);
+  std::vector<int32_t> payload(static_cast<size_t>(k));
+  for (int64_t l = 0; l < k; ++l) {
+    payload[l] = static_cast<int32_t>(
+        kSubsetFirstPayload +
+        static_cast<int64_t>(draws.Below(static_cast<uint64_t>(s.vocab - kSubsetFirstPayload))));
+    inputs[SubsetLandmarkPosition(s, l)] = payload[l];
+  }
+  const int64_t context = T - 2 * k * Q;
+  for (int64_t q = 0; q < Q; ++q) {
+    const int64_t at = context + 2 * k * q;
+    for (int64_t l = 0; l < k; ++l) {
+      // Each landmark in with probability 1/2: the subset is uniform over all 2^k.
+      const bool selected = (draws.Next() >> 31) != 0;
+      inputs[at + l] = selected ? kSubsetSelectToken : kSubsetSkipToken;
+      inputs[at + k + l] = kTaskAnswerToken;
+      targets[at + k + l] = selected ? payload[l] : 0;
+      mask[at + k + l] = 1.f;
+    }
+  }
+}
+
 // --- BatchSampler ----------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<BatchSampler>> BatchSampler::Create(const DataConfig& data,
@@ -571,21 +715,28 @@ absl::StatusOr<std::unique_ptr<BatchSampler>> BatchSampler::Create(const DataCon
       }
       return s;
     }
-    case DataConfig::MQAR: {
-      const MqarSpec spec{data.seq_len(), data.num_pairs(), data.vocab(), data.layout()};
-      SMAT_RETURN_IF_ERROR(CheckMqarSpec(spec));
-      if (data.vocab() > model_vocab) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "data.vocab = ", data.vocab(), " exceeds model.vocab_size = ", model_vocab));
-      }
-      return s;
-    }
+    case DataConfig::MQAR:
+      SMAT_RETURN_IF_ERROR(
+          CheckMqarSpec({data.seq_len(), data.num_pairs(), data.vocab(), data.layout()}));
+      break;
+    case DataConfig::MULTI_KEY:
+      SMAT_RETURN_IF_ERROR(CheckMultiKeySpec(
+          {data.seq_len(), data.num_pairs(), data.keys_per_query(), data.num_queries(),
+           data.vocab()}));
+      break;
+    case DataConfig::SUBSET_ROUTING:
+      SMAT_RETURN_IF_ERROR(CheckSubsetRoutingSpec(
+          {data.seq_len(), data.landmarks(), data.num_queries(), data.vocab()}));
+      break;
     default:
-      return absl::UnimplementedError(
-          absl::StrCat("data.kind = ", DataConfig::Kind_Name(data.kind()),
-                       " has no token-level batch generator (its targets are not next tokens); "
-                       "use TEXT or MQAR"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("data.kind = ", static_cast<int>(data.kind()), " is not a known kind"));
   }
+  if (data.vocab() > model_vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data.vocab = ", data.vocab(), " exceeds model.vocab_size = ", model_vocab));
+  }
+  return s;
 }
 
 namespace {
@@ -620,15 +771,27 @@ absl::StatusOr<Batch> BatchSampler::TextBatch(const TokenFile& file, int64_t fir
   return batch;
 }
 
-absl::StatusOr<Batch> BatchSampler::MqarBatch(uint64_t first_example, uint64_t stream_base) const {
+absl::StatusOr<Batch> BatchSampler::SyntheticBatch(uint64_t first_example,
+                                                   uint64_t stream_base) const {
   const int64_t B = data_.batch_size(), T = data_.seq_len();
   SMAT_ASSIGN_OR_RETURN(Batch batch, EmptyBatch(B, T));
-  const MqarSpec spec{T, data_.num_pairs(), data_.vocab(), data_.layout()};
+  const uint64_t seed = static_cast<uint64_t>(data_.seed());
+  const MqarSpec mqar{T, data_.num_pairs(), data_.vocab(), data_.layout()};
+  const MultiKeySpec multi_key{T, data_.num_pairs(), data_.keys_per_query(),
+                               data_.num_queries(), data_.vocab()};
+  const SubsetRoutingSpec subset{T, data_.landmarks(), data_.num_queries(), data_.vocab()};
   for (int64_t b = 0; b < B; ++b) {
-    MakeMqarExample(spec, static_cast<uint64_t>(data_.seed()),
-                    stream_base | (first_example + static_cast<uint64_t>(b)),
-                    batch.inputs.data<int32_t>() + b * T, batch.targets.data<int32_t>() + b * T,
-                    batch.loss_mask.data<float>() + b * T);
+    const uint64_t index = stream_base | (first_example + static_cast<uint64_t>(b));
+    int32_t* in = batch.inputs.data<int32_t>() + b * T;
+    int32_t* tg = batch.targets.data<int32_t>() + b * T;
+    float* mask = batch.loss_mask.data<float>() + b * T;
+    switch (data_.kind()) {
+      case DataConfig::MULTI_KEY: MakeMultiKeyExample(multi_key, seed, index, in, tg, mask); break;
+      case DataConfig::SUBSET_ROUTING:
+        MakeSubsetRoutingExample(subset, seed, index, in, tg, mask);
+        break;
+      default: MakeMqarExample(mqar, seed, index, in, tg, mask);
+    }
   }
   return batch;
 }
@@ -642,7 +805,7 @@ absl::StatusOr<Batch> BatchSampler::TrainBatchAt(int64_t cursor, int dp_rank) co
   }
   const int64_t first = cursor + dp_rank * data_.batch_size();
   if (data_.kind() == DataConfig::TEXT) return TextBatch(*train_, first, /*random=*/true);
-  return MqarBatch(static_cast<uint64_t>(first), 0);
+  return SyntheticBatch(static_cast<uint64_t>(first), 0);
 }
 
 absl::StatusOr<Batch> BatchSampler::TrainBatch(int64_t step, int dp_rank) const {
@@ -659,7 +822,7 @@ absl::StatusOr<Batch> BatchSampler::EvalBatch(int64_t index) const {
     }
     return TextBatch(*heldout_, first, /*random=*/false);
   }
-  return MqarBatch(static_cast<uint64_t>(first), kEvalStream);
+  return SyntheticBatch(static_cast<uint64_t>(first), kEvalStream);
 }
 
 int64_t BatchSampler::NumEvalBatches() const {
