@@ -149,4 +149,22 @@ absl::Status FillNormal(Tensor& t, uint64_t seed, uint64_t offset, float mean = 
 absl::Status FillUniformInt(Tensor& t, uint64_t seed, uint64_t offset, int64_t lo, int64_t hi,
                             uint64_t stream = 0);
 
+// Sequential 32-bit draws from one Philox stream: word i of (seed, stream), i =
+// 0, 1, 2, ... Host code that needs a few draws per item (data generators,
+// hashes) reads them in order without tracking counters itself.
+class PhiloxStream {
+ public:
+  PhiloxStream(uint64_t seed, uint64_t stream) : seed_(seed), stream_(stream) {}
+  uint32_t Next() { return PhiloxWord(seed_, stream_, next_++); }
+  // Uniform in [0, n) for n <= 2^32 by multiply-high (bias < n / 2^32).
+  uint64_t Below(uint64_t n) { return (static_cast<uint64_t>(Next()) * n) >> 32; }
+  uint64_t Next64() {
+    const uint64_t lo = Next();
+    return lo | (static_cast<uint64_t>(Next()) << 32);
+  }
+
+ private:
+  uint64_t seed_, stream_, next_ = 0;
+};
+
 }  // namespace smat
