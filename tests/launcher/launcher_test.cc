@@ -28,76 +28,18 @@
 #include "gtest/gtest.h"
 #include "launcher/mpirun_command.h"
 #include "launcher/supervisor.h"
+#include "tests/launcher/launch_test_util.h"
 
 namespace smat {
 namespace {
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using launch_test::ExitCode;
+using launch_test::LaunchResult;
+using launch_test::ReadFile;
+using launch_test::RunLauncher;
+using launch_test::TempDir;
 
 void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/smat_launch_test_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-struct LaunchResult {
-  bool finished = false;
-  int status = 0;
-  std::string output;
-};
-
-// Runs smat_launch with `args`, bounded by `bound_s`; `while_running` (if set)
-// is called with the launcher's pid once it started.
-LaunchResult RunLauncher(const std::vector<std::string>& args, const std::string& out_path,
-                         double bound_s,
-                         const std::function<void(pid_t)>& while_running = nullptr) {
-  LaunchResult r;
-  const pid_t child = fork();
-  if (child == 0) {
-    setpgid(0, 0);
-    FILE* out = std::freopen(out_path.c_str(), "w", stdout);
-    (void)out;
-    dup2(fileno(stdout), fileno(stderr));
-    std::vector<char*> argv = {const_cast<char*>(SMAT_LAUNCH_BINARY)};
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execv(SMAT_LAUNCH_BINARY, argv.data());
-    std::_Exit(127);
-  }
-  setpgid(child, child);
-  if (while_running) while_running(child);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    if (waitpid(child, &r.status, WNOHANG) == child) {
-      r.finished = true;
-      break;
-    }
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > bound_s) {
-      kill(-child, SIGKILL);
-      waitpid(child, &r.status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  r.output = ReadFile(out_path);
-  return r;
-}
-
-int ExitCode(const LaunchResult& r) { return WIFEXITED(r.status) ? WEXITSTATUS(r.status) : -1; }
 
 // The fake job. Plan line N (1-based) is attempt N-1's action:
 //   exit:C  rank 0 logs a step; rank 1 exits with C (rank 0 too when C = 0)

@@ -42,33 +42,17 @@
 #include "absl/strings/str_split.h"
 #include "core/exit_codes.h"
 #include "gtest/gtest.h"
+#include "tests/launcher/launch_test_util.h"
 #include "trainer/checkpoint.h"
 
 namespace smat {
 namespace {
 
+using launch_test::ReadFile;
+using launch_test::TempDir;
+
 constexpr int kSteps = 18;
 constexpr int kEvery = 3;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/smat_resume_e2e_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::vector<std::string> LaunchArgs(const std::string& run_dir, int steps = kSteps) {
   return {"--np",         "2",
@@ -88,36 +72,17 @@ std::vector<std::string> LaunchArgs(const std::string& run_dir, int steps = kSte
           "--mpirun_arg", "none"};
 }
 
-// Runs smat_launch (bounded); `watch` runs beside it with the launcher's pid.
+// Runs smat_launch (bounded) and returns its exit code (-1: killed by a signal
+// or after the bound, which also fails the test); `watch` runs beside it with
+// the launcher's pid.
 int RunLauncher(const std::vector<std::string>& args, const std::string& out, double bound_s,
                 const std::function<void(pid_t)>& watch = nullptr) {
-  const pid_t child = fork();
-  if (child == 0) {
-    setpgid(0, 0);
-    FILE* f = std::freopen(out.c_str(), "w", stdout);
-    (void)f;
-    dup2(fileno(stdout), fileno(stderr));
-    std::vector<char*> argv = {const_cast<char*>(SMAT_LAUNCH_BINARY)};
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execv(SMAT_LAUNCH_BINARY, argv.data());
-    std::_Exit(127);
+  const launch_test::LaunchResult r = launch_test::RunLauncher(args, out, bound_s, watch);
+  if (!r.finished) {
+    ADD_FAILURE() << "smat_launch outlived " << bound_s << " s";
+    return -1;
   }
-  setpgid(child, child);
-  if (watch) watch(child);
-  const auto t0 = std::chrono::steady_clock::now();
-  int status = 0;
-  for (;;) {
-    if (waitpid(child, &status, WNOHANG) == child) break;
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > bound_s) {
-      kill(-child, SIGKILL);
-      waitpid(child, &status, 0);
-      ADD_FAILURE() << "smat_launch outlived " << bound_s << " s";
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return launch_test::ExitCode(r);
 }
 
 // "loss X lr Y gnorm Z" of each "step N/M ..." line of `log`, by N.
