@@ -12,6 +12,23 @@ namespace smat {
 
 // --- MQAR ----------------------------------------------------------------------------------
 
+namespace {
+
+// `count` distinct tokens from [lo, hi): the first `count` entries of a partial
+// Fisher-Yates shuffle of the range, drawn from `draws` in order.
+std::vector<int32_t> PickDistinct(PhiloxStream& draws, int64_t lo, int64_t hi, int64_t count) {
+  std::vector<int32_t> pool(static_cast<size_t>(hi - lo));
+  for (int64_t i = 0; i < hi - lo; ++i) pool[i] = static_cast<int32_t>(lo + i);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = i + static_cast<int64_t>(draws.Below(static_cast<uint64_t>(hi - lo - i)));
+    std::swap(pool[i], pool[j]);
+  }
+  pool.resize(static_cast<size_t>(count));
+  return pool;
+}
+
+}  // namespace
+
 absl::Status CheckMqarSpec(const MqarSpec& s) {
   if (s.num_pairs < 1) {
     return absl::InvalidArgumentError(absl::StrCat("MQAR: num_pairs = ", s.num_pairs, " < 1"));
@@ -37,20 +54,9 @@ void MakeMqarExample(const MqarSpec& s, uint64_t seed, uint64_t index, int32_t* 
   std::fill(targets, targets + T, 0);
   std::fill(mask, mask + T, 0.f);
 
-  // P distinct keys from [1, half) and P distinct values from [half, vocab), by a
-  // partial Fisher-Yates shuffle of each range.
-  auto pick_distinct = [&](int64_t lo, int64_t hi) {
-    std::vector<int32_t> pool(static_cast<size_t>(hi - lo));
-    for (int64_t i = 0; i < hi - lo; ++i) pool[i] = static_cast<int32_t>(lo + i);
-    for (int64_t i = 0; i < P; ++i) {
-      const int64_t j = i + static_cast<int64_t>(draws.Below(static_cast<uint64_t>(hi - lo - i)));
-      std::swap(pool[i], pool[j]);
-    }
-    pool.resize(static_cast<size_t>(P));
-    return pool;
-  };
-  const std::vector<int32_t> keys = pick_distinct(1, half);
-  const std::vector<int32_t> values = pick_distinct(half, s.vocab);
+  // P distinct keys from [1, half) and P distinct values from [half, vocab).
+  const std::vector<int32_t> keys = PickDistinct(draws, 1, half, P);
+  const std::vector<int32_t> values = PickDistinct(draws, half, s.vocab, P);
   for (int64_t i = 0; i < P; ++i) {
     inputs[2 * i] = keys[i];
     inputs[2 * i + 1] = values[i];
@@ -137,20 +143,9 @@ void MakeMultiKeyExample(const MultiKeySpec& s, uint64_t seed, uint64_t index, i
   std::fill(targets, targets + T, 0);
   std::fill(mask, mask + T, 0.f);
 
-  // N distinct keys from [2, half) and N distinct payloads from [half, vocab):
-  // the N smallest draws of a partial Fisher-Yates shuffle of each range.
-  auto pick_distinct = [&](int64_t lo, int64_t hi) {
-    std::vector<int32_t> pool(static_cast<size_t>(hi - lo));
-    for (int64_t i = 0; i < hi - lo; ++i) pool[i] = static_cast<int32_t>(lo + i);
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t j = i + static_cast<int64_t>(draws.Below(static_cast<uint64_t>(hi - lo - i)));
-      std::swap(pool[i], pool[j]);
-    }
-    pool.resize(static_cast<size_t>(N));
-    return pool;
-  };
-  const std::vector<int32_t> keys = pick_distinct(2, half);
-  const std::vector<int32_t> payloads = pick_distinct(half, s.vocab);
+  // N distinct keys from [2, half) and N distinct payloads from [half, vocab).
+  const std::vector<int32_t> keys = PickDistinct(draws, 2, half, N);
+  const std::vector<int32_t> payloads = PickDistinct(draws, half, s.vocab, N);
   // Pair i at the i-th of N sorted random even offsets of the context, so pair
   // indices are in context order.
   const int64_t context = T - 2 * k * Q;
