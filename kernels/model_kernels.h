@@ -138,6 +138,33 @@ class ModelKernels {
                                             int64_t chunk_tokens, Tensor& dh, Tensor& d_w_head,
                                             Stream* stream = nullptr) = 0;
 
+  // --- dtype conversion (bf16 compute, run.bf16) ----------------------------------------
+  // dst = src converted elementwise: fp32 -> bf16 rounds to nearest even (NaN
+  // stays NaN), bf16 -> fp32 is exact; same dtype is a copy. Same element count;
+  // shapes may differ (a reshape).
+  virtual absl::Status Cast(const Tensor& src, Tensor& dst, Stream* stream = nullptr) = 0;
+
+  // --- AdamW update of one parameter (trainer/optimizer) ------------------------------
+  // For every element k, in fp32, with exactly these operations (no fused
+  // multiply-add, so every backend gives the same bits):
+  //   g    = grad[k] * grad_scale
+  //   m[k] = beta1 * m[k] + one_minus_beta1 * g
+  //   v[k] = beta2 * v[k] + one_minus_beta2 * (g * g)
+  //   w[k] = w[k] * decay - step_size * m[k] / (sqrt(v[k]) * inv_sqrt_bc2 + eps)
+  // (one_minus_beta2 * g * g evaluates as (one_minus_beta2 * g) * g.)
+  // value, grad, m, v fp32 of one shape; value, m, v updated in place.
+  struct AdamWScalars {
+    float grad_scale = 1.f;       // global-norm clipping factor (1: none)
+    float beta1 = 0.9f, one_minus_beta1 = 0.1f;
+    float beta2 = 0.95f, one_minus_beta2 = 0.05f;
+    float eps = 1e-8f;
+    float step_size = 0.f;        // lr / (1 - beta1^t), computed in double
+    float inv_sqrt_bc2 = 1.f;     // 1 / sqrt(1 - beta2^t), computed in double
+    float decay = 1.f;            // 1 - lr * weight_decay, or 1 (no decay)
+  };
+  virtual absl::Status AdamWUpdate(Tensor& value, const Tensor& grad, Tensor& m, Tensor& v,
+                                   const AdamWScalars& s, Stream* stream = nullptr) = 0;
+
   // --- gradient norm ------------------------------------------------------------------
   // sum over tensors (in the given order) of sum over elements (in order) of x^2,
   // accumulated in double: the square of the global norm. fp32 tensors.

@@ -494,6 +494,60 @@ class CpuModelKernels final : public ModelKernels {
     return absl::OkStatus();
   }
 
+  absl::Status Cast(const Tensor& src, Tensor& dst, Stream*) override {
+    auto floating = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
+    if (!src.defined() || !dst.defined() || !floating(src.dtype()) || !floating(dst.dtype())) {
+      return absl::InvalidArgumentError("Cast: src and dst must be defined fp32 or bf16 tensors");
+    }
+    if (!src.device().is_cpu() || !dst.device().is_cpu()) {
+      return absl::InvalidArgumentError("Cast: the CPU model kernels need host tensors");
+    }
+    if (src.numel() != dst.numel()) {
+      return absl::InvalidArgumentError(absl::StrCat("Cast: src has ", src.numel(),
+                                                     " elements, dst ", dst.numel()));
+    }
+    const int64_t n = src.numel();
+    if (src.dtype() == dst.dtype()) {
+      std::copy_n(static_cast<const char*>(src.raw()), src.nbytes(), static_cast<char*>(dst.raw()));
+    } else if (src.dtype() == DType::kF32) {
+      const float* x = src.data<float>();
+      uint16_t* y = static_cast<uint16_t*>(dst.raw());
+      for (int64_t i = 0; i < n; ++i) y[i] = FloatToBf16(x[i]);
+    } else {
+      const uint16_t* x = static_cast<const uint16_t*>(src.raw());
+      float* y = dst.data<float>();
+      for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFloat(x[i]);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AdamWUpdate(Tensor& value, const Tensor& grad, Tensor& m, Tensor& v,
+                           const AdamWScalars& s, Stream*) override {
+    SMAT_RETURN_IF_ERROR(Expect(value, DType::kF32, value.shape(), "AdamWUpdate", "value"));
+    SMAT_RETURN_IF_ERROR(Expect(grad, DType::kF32, value.shape(), "AdamWUpdate", "grad"));
+    SMAT_RETURN_IF_ERROR(Expect(m, DType::kF32, value.shape(), "AdamWUpdate", "m"));
+    SMAT_RETURN_IF_ERROR(Expect(v, DType::kF32, value.shape(), "AdamWUpdate", "v"));
+    float* w = value.data<float>();
+    const float* g = grad.data<float>();
+    float* mp = m.data<float>();
+    float* vp = v.data<float>();
+    const int64_t n = value.numel();
+    // Plain fp32 multiplies and adds: the CPU build targets baseline x86-64,
+    // which has no fused multiply-add, and the CUDA kernel spells each
+    // operation out (__fmul_rn, __fadd_rn), so both round alike.
+    for (int64_t k = 0; k < n; ++k) {
+      const float gk = g[k] * s.grad_scale;
+      const float m1 = s.beta1 * mp[k], m2 = s.one_minus_beta1 * gk;
+      mp[k] = m1 + m2;
+      const float v1 = s.beta2 * vp[k], v2 = (s.one_minus_beta2 * gk) * gk;
+      vp[k] = v1 + v2;
+      const float denom = std::sqrt(vp[k]) * s.inv_sqrt_bc2 + s.eps;
+      const float w1 = w[k] * s.decay, w2 = s.step_size * mp[k] / denom;
+      w[k] = w1 - w2;
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<double> SumOfSquares(absl::Span<const Tensor> tensors, Stream*) override {
     double total = 0.0;
     for (size_t k = 0; k < tensors.size(); ++k) {
