@@ -48,8 +48,20 @@ for prefix in ${CMAKE_PREFIX_PATH//:/ }; do
   fi
 done
 cmake -S . -B "$build" "${cmake_args[@]}"
-cmake --build "$build" -j "$(nproc)" --target smat_cuda gpu_test gpu_exposer_test \
-  nccl_communicator_test smat_bench
+# Build what the gpu-labelled tests run (their executables, read from CTest's
+# own test list), the CUDA plugin, and the tools the GPU benchmarks use.
+gpu_targets=$(ctest --test-dir "$build" -N -L gpu --show-only=json-v1 | python3 -c '
+import json, os, sys
+names = set()
+for t in json.load(sys.stdin).get("tests", []):
+    for arg in t.get("command", []):
+        base = os.path.basename(arg)
+        if base.endswith("_test") and os.path.dirname(arg).startswith(sys.argv[1]):
+            names.add(base)
+print(" ".join(sorted(names)))' "$(cd "$build" && pwd)")
+echo "gpu_check: building smat_cuda smat_bench smat_train smat_op $gpu_targets"
+# shellcheck disable=SC2086
+cmake --build "$build" -j "$(nproc)" --target smat_cuda smat_bench smat_train smat_op $gpu_targets
 
 ctest_args=(-L gpu --output-on-failure)
 if [ "$gpus" -lt 2 ]; then
