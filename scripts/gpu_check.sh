@@ -59,6 +59,7 @@ for t in json.load(sys.stdin).get("tests", []):
         if base.endswith("_test") and os.path.dirname(arg).startswith(sys.argv[1]):
             names.add(base)
 print(" ".join(sorted(names)))' "$(cd "$build" && pwd)")
+gpu_targets=$(echo gpu_test gpu_exposer_test $gpu_targets | tr " " "\n" | sort -u | tr "\n" " ")
 echo "gpu_check: building smat_cuda smat_bench smat_train smat_op $gpu_targets"
 # shellcheck disable=SC2086
 cmake --build "$build" -j "$(nproc)" --target smat_cuda smat_bench smat_train smat_op $gpu_targets
