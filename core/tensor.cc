@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -56,11 +57,41 @@ class HostAllocator final : public Allocator {
     if (p == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("host allocation of ", bytes, " bytes failed"));
     }
+    RecordAllocate(p, rounded == 0 ? 64 : rounded);
     return p;
   }
-  void Free(void* ptr) override { std::free(ptr); }
+  void Free(void* ptr) override {
+    if (ptr == nullptr) return;
+    RecordFree(ptr);
+    std::free(ptr);
+  }
 };
 }  // namespace
+
+Allocator::Stats Allocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Allocator::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_bytes = stats_.in_use_bytes;
+}
+
+void Allocator::RecordAllocate(void* ptr, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sizes_[ptr] = bytes;
+  stats_.in_use_bytes += static_cast<int64_t>(bytes);
+  stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.in_use_bytes);
+}
+
+void Allocator::RecordFree(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sizes_.find(ptr);
+  if (it == sizes_.end()) return;
+  stats_.in_use_bytes -= static_cast<int64_t>(it->second);
+  sizes_.erase(it);
+}
 
 Allocator& CpuAllocator() {
   static HostAllocator* alloc = new HostAllocator();  // never destroyed: outlives all tensors

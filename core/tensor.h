@@ -13,7 +13,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -42,12 +44,32 @@ struct Device {
 
 // Raw memory for one device. Implementations: CpuAllocator (below), and the
 // device allocators of the backends in kernels/.
+// Every allocator counts what it hands out (stats(): the bytes live now and
+// their high-water mark since the last ResetPeak), so the trainer can report
+// the memory of a step on any device.
 class Allocator {
  public:
+  struct Stats {
+    int64_t in_use_bytes = 0;  // allocated and not yet freed
+    int64_t peak_bytes = 0;    // most in use at once since the last ResetPeak
+  };
   virtual ~Allocator() = default;
   virtual Device device() const = 0;
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
   virtual void Free(void* ptr) = 0;
+
+  Stats stats() const;
+  void ResetPeak();  // peak_bytes = in_use_bytes
+
+ protected:
+  // Implementations call these on every successful allocation and every free.
+  void RecordAllocate(void* ptr, size_t bytes);
+  void RecordFree(void* ptr);
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<void*, size_t> sizes_;
+  Stats stats_;
 };
 
 // 64-byte aligned host memory. Process-wide and stateless, so sharing it is safe.

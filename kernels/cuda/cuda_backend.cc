@@ -66,11 +66,13 @@ class CudaAllocator final : public Allocator {
                       absl::StrCat("allocating ", bytes, " bytes on cuda:", device_, " (",
                                    free_bytes >> 20, " MiB free of ", total_bytes >> 20, " MiB)"));
     }
+    RecordAllocate(p, bytes == 0 ? 256 : bytes);
     return p;
   }
 
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
+    RecordFree(ptr);
     ScopedDevice scope(device_);  // the allocation's device, whatever the caller's is
     const cudaError_t err = cudaFree(ptr);
     // At process exit the runtime may already be torn down; the memory goes

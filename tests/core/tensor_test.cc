@@ -66,4 +66,25 @@ TEST(TensorTest, ParseDTypeNamesTheBadValue) {
 }
 
 }  // namespace
+TEST(TensorTest, AllocatorCountsLiveBytesAndPeak) {
+  Allocator& a = CpuAllocator();
+  a.ResetPeak();
+  const int64_t before = a.stats().in_use_bytes;
+  {
+    auto x = Tensor::Empty({1000}, DType::kF32);  // 4000 bytes, rounded to 64: 4032
+    ASSERT_TRUE(x.ok());
+    EXPECT_EQ(a.stats().in_use_bytes, before + 4032);
+    {
+      auto y = Tensor::Empty({10}, DType::kF32);  // 40 -> 64
+      ASSERT_TRUE(y.ok());
+      EXPECT_EQ(a.stats().in_use_bytes, before + 4096);
+    }
+    EXPECT_EQ(a.stats().in_use_bytes, before + 4032);
+  }
+  EXPECT_EQ(a.stats().in_use_bytes, before);
+  EXPECT_GE(a.stats().peak_bytes, before + 4096);
+  a.ResetPeak();
+  EXPECT_EQ(a.stats().peak_bytes, a.stats().in_use_bytes);
+}
+
 }  // namespace smat
