@@ -5,7 +5,9 @@
 // the same staging and product code, the grouped outer sums (F2, profile
 // pooling, B5, the type-table gradient) and per-token reads (F7, B2, B4), 128
 // tokens of a group at a time. smat_chunk.cu and smat_grouped.cu hold the
-// general kernels (any c, r, dv) and pick this path when the sizes fit.
+// general kernels (any c, r, dv) and pick this path when the sizes fit; the
+// chunk tiles run on tensor cores (smat_chunk_mma.cu) unless
+// SMAT_CUDA_CHUNK_TILES=ffma selects the FFMA tiles below.
 //
 // Every tile here has the same shape, so one kernel template serves all four:
 //   X[row][col] = gate * (P[:, row] . Q[:, col]), masked to s <= t   (score)
@@ -810,6 +812,9 @@ cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& d, const void* phi, c
                                        const void* v, const float* lam, const float* S_in,
                                        float* ybar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatUseMmaChunkTiles(d)) {
+    return LaunchSmatChunkOutputsMma(d, phi, psi, v, lam, S_in, ybar, stream);
+  }
   return LaunchAny<Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr, S_in, ybar, stream);
 }
 
@@ -820,6 +825,10 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& d, const void
                                                float* phi_bar, float* psi_bar, float* v_bar,
                                                cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatUseMmaChunkTiles(d)) {
+    return LaunchSmatChunkOutputsBackwardMma(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
+                                             phi_bar, psi_bar, v_bar, stream);
+  }
   cudaError_t err = LaunchAny<Kind::kQuery>(d, phi, psi, v, gbar, lam, chunk_decay, S_in,
                                             phi_bar, stream);
   if (err != cudaSuccess) return err;

@@ -205,4 +205,25 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const v
                                                float* phi_bar, float* psi_bar, float* v_bar,
                                                cudaStream_t stream);
 
+// ---- smat_chunk_mma.cu ----------------------------------------------------------
+
+// The chunk tiles of the fast path on tensor cores (mma.sync bf16, fp32
+// accumulation; fp32 operands split into three bf16 parts, so results stay at
+// fp32 accuracy). LaunchSmatChunkOutputs(Backward)Fast use them when
+// SmatUseMmaChunkTiles: the sizes fit the fast tiles, the device has them
+// (sm_80 or later, SmatChunkMmaTilesSmemBytes of shared memory per block) and
+// SMAT_CUDA_CHUNK_TILES is not "ffma" (the FFMA tiles, kept for comparison).
+bool SmatChunkMmaTilesFit(const SmatCudaDims& dims);
+bool SmatUseMmaChunkTiles(const SmatCudaDims& dims);
+int64_t SmatChunkMmaTilesSmemBytes();
+cudaError_t LaunchSmatChunkOutputsMma(const SmatCudaDims& dims, const void* phi, const void* psi,
+                                      const void* v, const float* lam, const float* S_in,
+                                      float* ybar, cudaStream_t stream);
+cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& dims, const void* phi,
+                                              const void* psi, const void* v, const float* lam,
+                                              const float* chunk_decay, const float* S_in,
+                                              const float* gbar, const float* D_bar,
+                                              float* phi_bar, float* psi_bar, float* v_bar,
+                                              cudaStream_t stream);
+
 }  // namespace smat

@@ -4,9 +4,11 @@
 // every gradient under random upstream gradients, at odd sizes (T = 1, 63, 127,
 // 1000, 1031; r = 60 or small; chunks 16..128; d = 1..3), gated and not,
 // positional and content maps, whole spans and spans starting inside the
-// sequence, fp32 and bf16 inputs. SMAT_CUDA_CHUNK_TILES = fast or general
-// picks the chunk-tile kernels checked (smat_chunk.cu); run both when either
-// changes. Device outputs are NaN-poisoned before each
+// sequence, fp32 and bf16 inputs. SMAT_CUDA_CHUNK_TILES picks the chunk-tile
+// kernels checked: unset, the tensor-core tiles (smat_chunk_mma.cu) where the
+// sizes fit (c <= 128, r, dv <= 64: every case below); "ffma", the FFMA tiles
+// of smat_chunk_fast.cu; "general", the general kernels (smat_chunk.cu). Run
+// all three when any changes. Device outputs are NaN-poisoned before each
 // phase; accumulated (+=) outputs start from the same random values on both
 // sides; the same inputs twice give the same bits.
 //
@@ -16,7 +18,10 @@
 // bf16: the device reads bf16 inputs and widens them exactly to fp32, and the
 // CPU runs on the same bf16-rounded values in fp32, so the same 1e-5 holds for
 // every fp32 result of a phase; only o itself is rounded to bf16 (relative
-// half-ulp 2^-9), checked at 2^-8. The whole op's gradients with bf16 inputs
+// half-ulp 2^-9), checked at 2^-8. The tensor-core tiles keep the 1e-5: bf16
+// inputs enter the bf16 MMAs exactly, and every fp32 operand (fp32 inputs,
+// gbar, S_in, D_bar, the score tile) is split into three bf16 parts whose
+// products down to 2^-16 relative are summed in fp32. The whole op's gradients with bf16 inputs
 // are computed from that bf16 o (kBf16OpGradTol below says how much that costs).
 #include <algorithm>
 #include <cmath>
@@ -109,6 +114,9 @@ std::vector<Case> Cases() {
   // widths that fill only part of a 16-byte staging slot (24 = 3 x 8, 16).
   add(2, 1031, 3, 64, 64, 2, 128, false, false, 0.0, false, 128, 10);
   add(1, 700, 2, 24, 16, 1, 128, true, false, 0.0, true, 0, 11);
+  // The hardest case for split tensor-core products: fp32 and gated (every
+  // operand of every chunk product split, the score tile scaled by the gates).
+  add(1, 1031, 2, 64, 64, 2, 128, true, false, 0.0, false, 0, 12);
   return cs;
 }
 
