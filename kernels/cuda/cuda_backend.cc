@@ -13,6 +13,7 @@
 #include "kernels/backend_checks.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise_kernels.h"
+#include "kernels/cuda/model_kernels_cuda.h"
 #include "kernels/cuda/smat_cuda.h"
 
 namespace smat {
@@ -355,8 +356,12 @@ absl::StatusOr<SmatKernels*> CudaBackend::smat() {
 }
 
 absl::StatusOr<ModelKernels*> CudaBackend::model() {
-  return absl::FailedPreconditionError(
-      "model kernels are not built for CUDA yet; train with parallel.device = \"cpu\"");
+  absl::MutexLock lock(&model_mu_);
+  if (model_ == nullptr) {
+    model_ = MakeCudaModelKernels(
+        device_, [this](Stream* s) { return StreamOf(s, "model"); }, max_blocks_);
+  }
+  return model_.get();
 }
 
 }  // namespace smat

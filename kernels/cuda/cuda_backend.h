@@ -51,7 +51,7 @@ class CudaBackend final : public Backend {
 
   // The CUDA SMat phase kernels (kernels/cuda/smat_cuda.h), created on first use.
   absl::StatusOr<SmatKernels*> smat() override;
-  // FailedPrecondition: the model ops have no CUDA implementation yet.
+  // The CUDA model kernels (kernels/cuda/model_kernels_cuda.h), created on first use.
   absl::StatusOr<ModelKernels*> model() override;
 
  private:
@@ -74,6 +74,9 @@ class CudaBackend final : public Backend {
 
   absl::Mutex smat_mu_;
   std::unique_ptr<SmatKernels> smat_;  // guarded by smat_mu_
+
+  absl::Mutex model_mu_;
+  std::unique_ptr<ModelKernels> model_;  // guarded by model_mu_
 };
 
 }  // namespace smat

@@ -1,0 +1,147 @@
+// CUDA kernels of the model ops (kernels/model_kernels.h), behind plain launch
+// functions so that model_kernels_cuda.cc, which validates tensors and returns
+// Status, is ordinary C++ and nvcc never parses Abseil.
+//
+// Every launcher enqueues its kernels on `stream` and returns the first
+// cudaError_t of its launches (cudaGetLastError after each). Arguments are
+// assumed valid (shapes checked by the caller). No kernel uses floating-point
+// atomics: every sum runs in an order fixed by the sizes alone, so the same
+// inputs give the same bits. Where a comment says "as the CPU", the kernel
+// performs the CPU implementation's fp32 operations one by one (__fmul_rn,
+// __fadd_rn: never contracted into a fused multiply-add) in the CPU's order, so
+// the results are bitwise equal to kernels/cpu/model_kernels_cpu.cc.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace smat {
+
+// Width of the short convolution (kShortConvWidth in kernels/model_kernels.h,
+// which this header cannot include).
+inline constexpr int kCudaShortConvWidth = 4;
+
+// --- validation of data-dependent indices -----------------------------------------
+// *first_bad = the smallest i < n with ids[i] outside [0, V) (and, when weights
+// is not null, weights[i] != 0), or UINT64_MAX when there is none. first_bad
+// is device memory; it is initialised here.
+cudaError_t LaunchFirstBadIndex(const int32_t* ids, const float* weights, int64_t n, int64_t V,
+                                unsigned long long* first_bad, int max_blocks,
+                                cudaStream_t stream);
+
+// --- embedding ---------------------------------------------------------------------
+// out[i, :] = table[ids[i], :] (rows whose id is outside [0, V) are skipped).
+cudaError_t LaunchEmbeddingForward(const float* table, const int32_t* ids, float* out, int64_t N,
+                                   int64_t W, int64_t V, int max_blocks, cudaStream_t stream);
+// Device scratch bytes LaunchEmbeddingBackward needs for N rows and ids below V.
+cudaError_t EmbeddingBackwardScratchBytes(int64_t N, int64_t V, size_t* bytes);
+// d_table[ids[i], :] += d_out[i, :] in increasing i per id, as the CPU: a
+// stable radix sort of (id, row) pairs gives each id's rows in increasing
+// order, then one thread per (id, column) adds them to the table in that order.
+// ids must all be in [0, V).
+cudaError_t LaunchEmbeddingBackward(const int32_t* ids, const float* d_out, float* d_table,
+                                    int64_t N, int64_t W, int64_t V, void* scratch,
+                                    size_t scratch_bytes, cudaStream_t stream);
+
+// --- RMSNorm -----------------------------------------------------------------------
+// One warp per row; the sum of squares in double (rstd as the CPU up to the
+// order of that sum), y = (x * rstd) * w as the CPU.
+cudaError_t LaunchRmsNormForward(const float* x, const float* w, float eps, float* y, float* rstd,
+                                 int64_t N, int64_t W, cudaStream_t stream);
+// dx only (one warp per row).
+cudaError_t LaunchRmsNormBackwardInput(const float* x, const float* w, const float* rstd,
+                                       const float* dy, float* dx, int64_t N, int64_t W,
+                                       cudaStream_t stream);
+
+// Column sums over rows in two fixed stages: ColumnPartials(rows) blocks of
+// consecutive rows each write a partial sum per column into `partials`
+// [ColumnPartials(rows), cols], then out[j] += partial_0[j] + partial_1[j] + ...
+// in block order.
+int64_t ColumnPartials(int64_t rows);
+// d_weight[j] += sum_i (dy[i, j] * x[i, j]) * rstd[i].
+cudaError_t LaunchRmsNormWeightGrad(const float* x, const float* rstd, const float* dy,
+                                    float* partials, float* d_weight, int64_t N, int64_t W,
+                                    cudaStream_t stream);
+
+// --- element-wise ------------------------------------------------------------------
+cudaError_t LaunchSwiGluForward(const float* gate, const float* up, float* y, int64_t n,
+                                int max_blocks, cudaStream_t stream);
+cudaError_t LaunchSwiGluBackward(const float* gate, const float* up, const float* dy,
+                                 float* d_gate, float* d_up, int64_t n, int max_blocks,
+                                 cudaStream_t stream);
+// out = a + b, as the CPU.
+cudaError_t LaunchResidualAdd(const float* a, const float* b, float* out, int64_t n,
+                              int max_blocks, cudaStream_t stream);
+// y = sign * softplus(x), sign = -1 (negate) or +1.
+cudaError_t LaunchSoftplus(const float* x, float* y, int64_t n, bool negate, int max_blocks,
+                           cudaStream_t stream);
+// dx = sign * sigmoid(x) * dy.
+cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64_t n, bool negate,
+                               int max_blocks, cudaStream_t stream);
+// y[i, :] = x[i, :] * sigmoid(g[i]) over rows of r.
+cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, float* y, int64_t rows,
+                                      int64_t r, int max_blocks, cudaStream_t stream);
+cudaError_t LaunchSigmoidScaleBackward(const float* x, const float* g, const float* dy, float* dx,
+                                       float* dg, int64_t rows, int64_t r, int max_blocks,
+                                       cudaStream_t stream);
+cudaError_t LaunchExpRowMaxForward(const float* x, float* y, int64_t rows, int64_t r,
+                                   int max_blocks, cudaStream_t stream);
+cudaError_t LaunchExpRowMaxBackward(const float* x, const float* y, const float* dy, float* dx,
+                                    int64_t rows, int64_t r, int max_blocks, cudaStream_t stream);
+
+// --- short causal depthwise convolution --------------------------------------------
+// y as the CPU (taps in increasing order from 0).
+cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, float* y,
+                                   int64_t nb, int64_t L, int64_t C, int max_blocks,
+                                   cudaStream_t stream);
+// dx and d_prefix as the CPU.
+cudaError_t LaunchShortConvBackwardInput(const float* w, const float* dy, float* dx,
+                                         float* d_prefix, int64_t nb, int64_t L, int64_t C,
+                                         int max_blocks, cudaStream_t stream);
+// d_w[j, c] += sum over rows (b, t) of dy[b, t, c] * in[b, t - (K-1) + j, c], in
+// the two stages of ColumnPartials(nb * L) (partials [ColumnPartials, K * C]).
+cudaError_t LaunchShortConvWeightGrad(const float* x, const float* prefix, const float* dy,
+                                      float* partials, float* d_w, int64_t nb, int64_t L,
+                                      int64_t C, cudaStream_t stream);
+
+// --- cross-entropy ------------------------------------------------------------------
+// One block per row of logits [m, V]: lse[i] = max + log(sum exp(logit - max))
+// (the sum in double), terms[i] = weights[i] * (lse - logit[target]) in double
+// (0 where weights[i] == 0).
+cudaError_t LaunchCrossEntropyRows(const float* logits, int64_t m, int64_t V,
+                                   const int32_t* targets, const float* weights, float* lse,
+                                   double* terms, cudaStream_t stream);
+// In place: logits[i, v] = a * exp(logits[i, v] - lse[i]) - a [v = target],
+// a = scale * weights[i] (rows with a == 0 become zeros), as the CPU.
+cudaError_t LaunchCrossEntropyRowGrads(float* logits, int64_t m, int64_t V,
+                                       const int32_t* targets, const float* weights,
+                                       const float* lse, float scale, cudaStream_t stream);
+
+// --- sums in double -----------------------------------------------------------------
+// Blocks that SumOfSquaresPartials uses for n elements.
+int64_t SumOfSquaresBlocks(int64_t n);
+// partials[b] = sum of x^2 over block b's fixed range of elements (double).
+cudaError_t LaunchSumOfSquaresPartials(const float* x, int64_t n, double* partials,
+                                       cudaStream_t stream);
+// *out = sum of in[0..n) in a fixed order (one block).
+cudaError_t LaunchSumDoubles(const double* in, int64_t n, double* out, cudaStream_t stream);
+
+// --- dtype conversion and the optimizer ---------------------------------------------
+// Round to nearest even, NaN kept (quiet), as core FloatToBf16.
+cudaError_t LaunchCastF32ToBf16(const float* src, uint16_t* dst, int64_t n, int max_blocks,
+                                cudaStream_t stream);
+cudaError_t LaunchCastBf16ToF32(const uint16_t* src, float* dst, int64_t n, int max_blocks,
+                                cudaStream_t stream);
+
+// The AdamW scalars of ModelKernels::AdamWScalars.
+struct CudaAdamWScalars {
+  float grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2,
+      decay;
+};
+// The update of ModelKernels::AdamWUpdate, operation by operation as the CPU.
+cudaError_t LaunchAdamW(float* value, const float* grad, float* m, float* v, int64_t n,
+                        const CudaAdamWScalars& s, int max_blocks, cudaStream_t stream);
+
+}  // namespace smat
