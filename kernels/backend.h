@@ -24,6 +24,8 @@ namespace smat {
 
 class SmatKernels;   // kernels/smat_kernels.h: the SMat-Attention phases.
 class ModelKernels;  // kernels/model_kernels.h: embedding, norms, MLP, loss.
+class Decoder;       // kernels/decode.h: token-by-token decoding.
+struct DecoderSpec;  // kernels/decode.h
 
 // Opaque per-backend handles.
 class Stream {
@@ -81,6 +83,12 @@ class Backend {
   // The model ops of this device (kernels/model_kernels.h). A backend built
   // without them returns FailedPrecondition saying so.
   virtual absl::StatusOr<ModelKernels*> model() = 0;
+
+  // --- decoding ------------------------------------------------------------------------
+  // A decoder (kernels/decode.h) whose cache lives in this device's memory:
+  // fixed horizon for spec.window == 0, else stepped window. Include
+  // kernels/decode.h to call it.
+  virtual absl::StatusOr<std::unique_ptr<Decoder>> CreateDecoder(const DecoderSpec& spec) = 0;
 };
 
 // The backend for `device`. CPU: always available. CUDA: loads libsmat_cuda.so

@@ -1,8 +1,11 @@
 // Token-by-token decoding of SMat-Attention at O(r p) work per token, and the
 // stepped-window mask it serves beyond the training horizon.
 //
-// Two decoders, both holding the cache of every (sequence, head) of a batch in
-// host memory and stepping one token for all of them at once:
+// Two decoders, each stepping one token for every (sequence, head) of a batch at
+// once. Both exist on the host (the classes below, cache in host memory) and on
+// the GPU (kernels/cuda/decode_cuda.h, cache in device memory, one kernel launch
+// per token); Backend::CreateDecoder returns the one of its device behind the
+// Decoder interface, so callers need not know where the cache lives:
 //
 //  * FixedHorizonDecoder (paper Theorem 3.3, Section 3.3, and the note after
 //    Lemma 4): T is known, so the boundary n of the plan is. Tokens of the
@@ -43,6 +46,12 @@
 //     SMAT_RETURN_IF_ERROR(dec.Step(tok, &o));                // o_t [batch, H, dv]
 //   }
 //
+// On any device (the same math on the GPU, tests/gpu/decode_gpu_test.cc):
+//
+//   DecoderSpec spec{.plan = plan, .window = 0, .dims = {batch, H, r, dv}, .eps = eps};
+//   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Decoder> dec, backend->CreateDecoder(spec));
+//   SMAT_RETURN_IF_ERROR(dec->Step(tok, &o));  // tok and o on backend->device()
+//
 // The stepped-window mask as a forward pass (SteppedWindowForward, O(T r p) plus
 // one tabulation per block) and a dense double reference of any mask
 // (MaskedAttentionDenseReference, O(T^2 (r + p))) are here too, so the decoders
@@ -58,11 +67,14 @@
 #include "absl/status/statusor.h"
 #include "core/geometry.h"
 #include "core/tensor.h"
+#include "kernels/backend.h"
 #include "kernels/smat.h"
 
 namespace smat {
 
-// One token for every (sequence, head) of the batch. fp32 / int32 host tensors.
+// One token for every (sequence, head) of the batch: fp32 / int32 tensors on the
+// decoder's device (the CUDA decoder also takes bf16 phi, psi and v, all three
+// of one dtype; its states stay fp32).
 struct DecodeToken {
   Tensor phi;   // [batch, H, r]  query features >= 0
   Tensor psi;   // [batch, H, r]  key features >= 0
@@ -79,8 +91,42 @@ struct DecodeDims {
   int64_t dv = 0;
 };
 
+// What to decode: the plan (T, or T_max for the stepped window, and the
+// geometry), the window (0: the fixed-horizon decoder; else the stepped-window
+// decoder with c_dc = window, a multiple of plan.chunk), sizes and the eps of
+// o = ybar[0:dv] / (ybar[dv] + eps).
+struct DecoderSpec {
+  SmatPlan plan;
+  int64_t window = 0;
+  DecodeDims dims;
+  float eps = 1e-6f;
+};
+
+// A decoder of either kind on one device: the host classes below, or the CUDA
+// decoder (created by CudaBackend::CreateDecoder). Tokens and outputs live on
+// the decoder's device; Step is asynchronous on `stream` there (nullptr: the
+// backend's default stream) and synchronous on the CPU. Content ids and
+// log-gates are validated on the host; the CUDA decoder cannot read them
+// without a synchronisation, so there an out-of-range id makes that (sequence,
+// head)'s output NaN and leaves its cache untouched, and gates are not checked.
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  // Consumes token position() for every (sequence, head) and writes its output
+  // to *o ([batch, H, dv] fp32 on the decoder's device, allocated when
+  // undefined). InvalidArgument for a wrong shape/dtype/device; OutOfRange for
+  // the fixed horizon once T tokens have been decoded.
+  virtual absl::Status Step(const DecodeToken& token, Tensor* o, Stream* stream = nullptr) = 0;
+  virtual int64_t position() const = 0;
+  // Bytes of decoder state held now.
+  virtual int64_t StateBytes() const = 0;
+};
+
+// The host decoder for `spec` (what CpuBackend::CreateDecoder returns).
+absl::StatusOr<std::unique_ptr<Decoder>> CreateHostDecoder(const DecoderSpec& spec);
+
 // Fixed-horizon decoder (Theorem 3.3). Movable, not copyable.
-class FixedHorizonDecoder {
+class FixedHorizonDecoder final : public Decoder {
  public:
   // The plan fixes T, n and the geometry. InvalidArgument for empty dims.
   static absl::StatusOr<FixedHorizonDecoder> Create(const SmatPlan& plan, DecodeDims dims,
@@ -93,11 +139,12 @@ class FixedHorizonDecoder {
   // to *o ([batch, H, dv] fp32 host, allocated when undefined). InvalidArgument
   // for a wrong shape/dtype or a content id out of range; OutOfRange once T
   // tokens have been decoded (the horizon: use SteppedWindowDecoder beyond it).
-  absl::Status Step(const DecodeToken& token, Tensor* o);
+  // (Host tensors; `stream` is ignored: the work is done when Step returns.)
+  absl::Status Step(const DecodeToken& token, Tensor* o, Stream* stream = nullptr) override;
 
-  int64_t position() const { return t_; }
+  int64_t position() const override { return t_; }
   // Bytes of decoder state held now (F during the distant block, then U + S).
-  int64_t StateBytes() const;
+  int64_t StateBytes() const override;
 
  private:
   FixedHorizonDecoder() = default;
@@ -116,7 +163,7 @@ class FixedHorizonDecoder {
 };
 
 // Stepped-window decoder (Algorithm 3, gated per Lemma 5). Movable.
-class SteppedWindowDecoder {
+class SteppedWindowDecoder final : public Decoder {
  public:
   // plan: the geometry from T_max (MakeSmatPlan(T_max, d, chunk, q)); window:
   // c_dc, a positive multiple of plan.chunk.
@@ -127,10 +174,10 @@ class SteppedWindowDecoder {
   SteppedWindowDecoder& operator=(SteppedWindowDecoder&&) = default;
 
   // As FixedHorizonDecoder::Step, without a horizon.
-  absl::Status Step(const DecodeToken& token, Tensor* o);
+  absl::Status Step(const DecodeToken& token, Tensor* o, Stream* stream = nullptr) override;
 
-  int64_t position() const { return t_; }
-  int64_t StateBytes() const;
+  int64_t position() const override { return t_; }
+  int64_t StateBytes() const override;
 
  private:
   SteppedWindowDecoder() = default;
@@ -160,6 +207,12 @@ class SteppedWindowDecoder {
 bool SteppedWindowMaskEntry(const SmatPlan& plan, int64_t window, int64_t t, int64_t s,
                             int64_t type_t, int64_t prof_s);
 
+// On any device (the same math on the GPU, tests/gpu/decode_gpu_test.cc):
+//
+//   DecoderSpec spec{.plan = plan, .window = 0, .dims = {batch, H, r, dv}, .eps = eps};
+//   SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Decoder> dec, backend->CreateDecoder(spec));
+//   SMAT_RETURN_IF_ERROR(dec->Step(tok, &o));  // tok and o on backend->device()
+//
 // The stepped-window mask as a forward pass over in.phi/psi/v [batch, T, H, *]
 // (fp32 host; T may exceed plan.T): per block, U = exp(decay) U + C Delta (one
 // tabulation per block), the previous block's total state and a within-block

@@ -198,10 +198,21 @@ absl::StatusOr<SmatPlan> PlanSmatOp(const SmatOpConfig& cfg, int64_t T) {
   return plan;
 }
 
-absl::StatusOr<Tensor> DecodeSequence(const SmatPlan& plan, int64_t window,
-                                      const SmatInputs& in) {
+namespace {
+
+// Decodes every position on `backend`'s decoder (Backend::CreateDecoder): each
+// token is gathered on the host and, for a device decoder, copied there (phi,
+// psi and v converted to feature_dtype), and each output copied back.
+absl::StatusOr<Tensor> DecodeOnBackend(Backend& backend, const SmatPlan& plan, int64_t window,
+                                       const SmatInputs& in, DType feature_dtype) {
   const int64_t batch = in.phi.dim(0), T = in.phi.dim(1), H = in.phi.dim(2);
   const int64_t r = in.phi.dim(3), dv = in.v.dim(3);
+  const bool on_host = backend.device().is_cpu();
+  if (window == 0 && plan.T != T) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fixed-horizon decoding needs the plan of the sequence length: plan T = ", plan.T,
+        ", inputs T = ", T));
+  }
   SMAT_ASSIGN_OR_RETURN(Tensor o, Tensor::Empty({batch, T, H, dv}, DType::kF32));
   // Token t of a [B, T, H, X] tensor gathered into a [B, H, X] tensor.
   auto slice = [&](const Tensor& x, int64_t t, Tensor& dst) {
@@ -213,7 +224,7 @@ absl::StatusOr<Tensor> DecodeSequence(const SmatPlan& plan, int64_t window,
       std::copy(src, src + row, static_cast<char*>(dst.raw()) + b * row);
     }
   };
-  DecodeToken tok;
+  DecodeToken tok;  // host staging
   SMAT_ASSIGN_OR_RETURN(tok.phi, Tensor::Empty({batch, H, r}, DType::kF32));
   SMAT_ASSIGN_OR_RETURN(tok.psi, Tensor::Empty({batch, H, r}, DType::kF32));
   SMAT_ASSIGN_OR_RETURN(tok.v, Tensor::Empty({batch, H, dv}, DType::kF32));
@@ -226,41 +237,62 @@ absl::StatusOr<Tensor> DecodeSequence(const SmatPlan& plan, int64_t window,
   if (in.type.defined()) {
     SMAT_ASSIGN_OR_RETURN(tok.type, Tensor::Empty({batch, H}, DType::kI32));
   }
-  SMAT_ASSIGN_OR_RETURN(Tensor o_t, Tensor::Empty({batch, H, dv}, DType::kF32));
-  const DecodeDims dims{batch, H, r, dv};
-
-  auto run = [&](auto& decoder) -> absl::Status {
-    for (int64_t t = 0; t < T; ++t) {
-      slice(in.phi, t, tok.phi);
-      slice(in.psi, t, tok.psi);
-      slice(in.v, t, tok.v);
-      slice(in.logg, t, tok.logg);
-      slice(in.prof, t, tok.prof);
-      slice(in.type, t, tok.type);
-      absl::Status s = decoder.Step(tok, &o_t);
-      if (!s.ok()) return Annotate(s, "decoding token ", t);
-      const size_t row = static_cast<size_t>(H * dv);
-      for (int64_t b = 0; b < batch; ++b) {
-        std::copy(o_t.data<float>() + b * row, o_t.data<float>() + (b + 1) * row,
-                  o.data<float>() + (b * T + t) * row);
+  SMAT_ASSIGN_OR_RETURN(Tensor o_host, Tensor::Empty({batch, H, dv}, DType::kF32));
+  DecodeToken dev = tok;  // what the decoder reads
+  Tensor o_t = o_host;
+  if (!on_host) {
+    for (auto [src, dst] : {std::pair{&tok.phi, &dev.phi}, std::pair{&tok.psi, &dev.psi},
+                            std::pair{&tok.v, &dev.v}, std::pair{&tok.logg, &dev.logg},
+                            std::pair{&tok.prof, &dev.prof}, std::pair{&tok.type, &dev.type}}) {
+      if (!src->defined()) continue;
+      const bool feature = src == &tok.phi || src == &tok.psi || src == &tok.v;
+      SMAT_ASSIGN_OR_RETURN(*dst, Tensor::Empty(src->shape(), feature ? feature_dtype : src->dtype(),
+                                                backend.allocator()));
+    }
+    SMAT_ASSIGN_OR_RETURN(o_t, Tensor::Empty({batch, H, dv}, DType::kF32, backend.allocator()));
+  }
+  const DecoderSpec spec{.plan = plan, .window = window, .dims = {batch, H, r, dv}, .eps = in.eps};
+  SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Decoder> decoder, backend.CreateDecoder(spec));
+  for (int64_t t = 0; t < T; ++t) {
+    slice(in.phi, t, tok.phi);
+    slice(in.psi, t, tok.psi);
+    slice(in.v, t, tok.v);
+    slice(in.logg, t, tok.logg);
+    slice(in.prof, t, tok.prof);
+    slice(in.type, t, tok.type);
+    if (!on_host) {
+      for (auto [src, dst] : {std::pair{&tok.phi, &dev.phi}, std::pair{&tok.psi, &dev.psi},
+                              std::pair{&tok.v, &dev.v}, std::pair{&tok.logg, &dev.logg},
+                              std::pair{&tok.prof, &dev.prof}, std::pair{&tok.type, &dev.type}}) {
+        if (!src->defined()) continue;
+        Tensor host = *src;
+        if (host.dtype() != dst->dtype()) {
+          SMAT_ASSIGN_OR_RETURN(host, ConvertDType(host, dst->dtype()));
+        }
+        SMAT_RETURN_IF_ERROR(backend.Copy(host, *dst));
       }
     }
-    return absl::OkStatus();
-  };
-  if (window == 0) {
-    if (plan.T != T) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "fixed-horizon decoding needs the plan of the sequence length: plan T = ", plan.T,
-          ", inputs T = ", T));
+    absl::Status s = decoder->Step(dev, &o_t);
+    if (!s.ok()) return Annotate(s, "decoding token ", t);
+    if (!on_host) {
+      SMAT_RETURN_IF_ERROR(backend.Copy(o_t, o_host));
+      SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
     }
-    SMAT_ASSIGN_OR_RETURN(FixedHorizonDecoder dec, FixedHorizonDecoder::Create(plan, dims, in.eps));
-    SMAT_RETURN_IF_ERROR(run(dec));
-  } else {
-    SMAT_ASSIGN_OR_RETURN(SteppedWindowDecoder dec,
-                          SteppedWindowDecoder::Create(plan, window, dims, in.eps));
-    SMAT_RETURN_IF_ERROR(run(dec));
+    const size_t row = static_cast<size_t>(H * dv);
+    for (int64_t b = 0; b < batch; ++b) {
+      std::copy(o_host.data<float>() + b * row, o_host.data<float>() + (b + 1) * row,
+                o.data<float>() + (b * T + t) * row);
+    }
   }
   return o;
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> DecodeSequence(const SmatPlan& plan, int64_t window,
+                                      const SmatInputs& in) {
+  SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Backend> cpu, CreateBackend(Device::Cpu()));
+  return DecodeOnBackend(*cpu, plan, window, in, DType::kF32);
 }
 
 absl::StatusOr<SmatOpResults> ComputeSmatOp(const SmatOpConfig& cfg, const SmatPlan& plan,
@@ -274,8 +306,11 @@ absl::StatusOr<SmatOpResults> ComputeSmatOp(const SmatOpConfig& cfg, const SmatP
   SmatOpResults res;
   if (cfg.mode == SmatOpMode::kDecode) {
     if (!cfg.device.is_cpu()) {
-      return absl::InvalidArgumentError(
-          "decode keeps its cache in host memory and runs on the CPU; use --device cpu");
+      // The device's decoder (cache in device memory); bf16 operands are
+      // handed to it as bf16, which it widens exactly to fp32.
+      SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(cfg.device));
+      SMAT_ASSIGN_OR_RETURN(res.o, DecodeOnBackend(*backend, plan, cfg.window, in, cfg.dtype));
+      return res;
     }
     if (cfg.dtype == DType::kBF16) {
       // Same rounding of the operands as a bf16 forward; states stay fp32.

@@ -15,6 +15,7 @@
 #include "kernels/backend_checks.h"
 #include "kernels/cpu/model_kernels_cpu.h"
 #include "kernels/cpu/smat_cpu.h"
+#include "kernels/decode.h"
 
 namespace smat {
 namespace {
@@ -199,5 +200,9 @@ absl::Status CpuBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Ten
 absl::StatusOr<SmatKernels*> CpuBackend::smat() { return smat_.get(); }
 
 absl::StatusOr<ModelKernels*> CpuBackend::model() { return model_.get(); }
+
+absl::StatusOr<std::unique_ptr<Decoder>> CpuBackend::CreateDecoder(const DecoderSpec& spec) {
+  return CreateHostDecoder(spec);
+}
 
 }  // namespace smat

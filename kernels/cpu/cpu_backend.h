@@ -45,6 +45,8 @@ class CpuBackend final : public Backend {
   absl::StatusOr<SmatKernels*> smat() override;
   // The CPU model ops (kernels/cpu/model_kernels_cpu.h); always available.
   absl::StatusOr<ModelKernels*> model() override;
+  // The host decoders (kernels/decode.h, CreateHostDecoder).
+  absl::StatusOr<std::unique_ptr<Decoder>> CreateDecoder(const DecoderSpec& spec) override;
 
  private:
   std::unique_ptr<SmatKernels> smat_;  // complete type in the .cc (constructor, destructor)

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,7 +31,8 @@ absl::Status CheckHost(const Tensor& t, DType dtype, absl::Span<const int64_t> s
   if (!t.device().is_cpu()) {
     return absl::InvalidArgumentError(absl::StrCat("decode: ", what, " is on ",
                                                    t.device().ToString(),
-                                                   "; the decoders keep their cache in host memory"));
+                                                   "; the host decoders keep their cache in host memory (a device decoder: "
+                                                   "Backend::CreateDecoder of that device)"));
   }
   if (t.dtype() != dtype) {
     return absl::InvalidArgumentError(absl::StrCat("decode: ", what, " must be ",
@@ -185,7 +187,7 @@ void FixedHorizonDecoder::Tabulate() {
   std::fill(lam_.begin(), lam_.end(), 0.0);
 }
 
-absl::Status FixedHorizonDecoder::Step(const DecodeToken& tok, Tensor* o) {
+absl::Status FixedHorizonDecoder::Step(const DecodeToken& tok, Tensor* o, Stream*) {
   if (t_ >= plan_.T) {
     return absl::OutOfRangeError(absl::StrCat(
         "decode: the fixed-horizon decoder was planned for T = ", plan_.T,
@@ -317,7 +319,7 @@ void SteppedWindowDecoder::EnterBlock(int64_t block) {
   std::fill(R_cur_.begin(), R_cur_.end(), 0.f);
 }
 
-absl::Status SteppedWindowDecoder::Step(const DecodeToken& tok, Tensor* o) {
+absl::Status SteppedWindowDecoder::Step(const DecodeToken& tok, Tensor* o, Stream*) {
   SMAT_RETURN_IF_ERROR(CheckToken(dims_, plan_.geo, tok));
   const int64_t bh = dims_.batch * dims_.heads;
   // Every token is read as a query (type) now and pooled as a key (prof).
@@ -368,6 +370,17 @@ absl::Status SteppedWindowDecoder::Step(const DecodeToken& tok, Tensor* o) {
   }
   ++t_;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Decoder>> CreateHostDecoder(const DecoderSpec& spec) {
+  if (spec.window == 0) {
+    SMAT_ASSIGN_OR_RETURN(FixedHorizonDecoder dec,
+                          FixedHorizonDecoder::Create(spec.plan, spec.dims, spec.eps));
+    return std::make_unique<FixedHorizonDecoder>(std::move(dec));
+  }
+  SMAT_ASSIGN_OR_RETURN(SteppedWindowDecoder dec, SteppedWindowDecoder::Create(
+                                                      spec.plan, spec.window, spec.dims, spec.eps));
+  return std::make_unique<SteppedWindowDecoder>(std::move(dec));
 }
 
 // ==================================================================================

@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "kernels/backend_checks.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/decode_cuda.h"
 #include "kernels/cuda/elementwise_kernels.h"
 #include "kernels/cuda/model_kernels_cuda.h"
 #include "kernels/cuda/smat_cuda.h"
@@ -353,6 +354,12 @@ absl::StatusOr<SmatKernels*> CudaBackend::smat() {
     smat_ = MakeCudaSmatKernels(device_, [this](Stream* s) { return StreamOf(s, "smat"); });
   }
   return smat_.get();
+}
+
+absl::StatusOr<std::unique_ptr<Decoder>> CudaBackend::CreateDecoder(const DecoderSpec& spec) {
+  SMAT_ASSIGN_OR_RETURN(SmatKernels* kernels, smat());
+  return MakeCudaDecoder(
+      device_, [this](Stream* s) { return StreamOf(s, "decode"); }, *allocator_, kernels, spec);
 }
 
 absl::StatusOr<ModelKernels*> CudaBackend::model() {

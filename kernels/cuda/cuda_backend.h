@@ -53,6 +53,8 @@ class CudaBackend final : public Backend {
   absl::StatusOr<SmatKernels*> smat() override;
   // The CUDA model kernels (kernels/cuda/model_kernels_cuda.h), created on first use.
   absl::StatusOr<ModelKernels*> model() override;
+  // The CUDA decoders (kernels/cuda/decode_cuda.h): cache on this device.
+  absl::StatusOr<std::unique_ptr<Decoder>> CreateDecoder(const DecoderSpec& spec) override;
 
  private:
   explicit CudaBackend(int device);

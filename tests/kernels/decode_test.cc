@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -312,6 +314,45 @@ TEST(DecodeErrorsTest, BadInputsAreInvalidArgument) {
   ASSERT_FALSE(bad_window.ok());
   EXPECT_NE(bad_window.status().message().find("multiple of the chunk"), std::string::npos);
   EXPECT_FALSE(FixedHorizonDecoder::Create(*plan, {0, 1, 2, 2}, 0.f).ok());
+}
+
+// Backend::CreateDecoder on the CPU backend returns the host decoders behind
+// the Decoder interface: the same outputs, bit for bit, as the classes used
+// directly, for both kinds; a bad window is refused the same way.
+TEST(DecoderFactoryTest, CpuBackendGivesTheHostDecoders) {
+  std::unique_ptr<Backend> cpu = CreateBackend(Device::Cpu()).value();
+  auto plan = MakeSmatPlan(163, 3, 8);
+  ASSERT_TRUE(plan.ok());
+  const SmatGeometry& g = plan->geo;
+  Problem pr = MakeProblem(2, 163, 3, 5, 4, true, &g, 21);
+  const DecodeDims dims{2, 3, 5, 4};
+  for (int64_t window : {int64_t{0}, int64_t{40}}) {
+    SCOPED_TRACE(absl::StrCat("window ", window));
+    const DecoderSpec spec{.plan = *plan, .window = window, .dims = dims, .eps = 1e-6f};
+    absl::StatusOr<std::unique_ptr<Decoder>> dec = cpu->CreateDecoder(spec);
+    ASSERT_TRUE(dec.ok()) << dec.status();
+    const std::vector<float> via_backend = Decode(**dec, pr);
+    EXPECT_EQ((*dec)->position(), pr.T);
+    EXPECT_GT((*dec)->StateBytes(), 0);
+    std::vector<float> direct;
+    if (window == 0) {
+      auto fixed = FixedHorizonDecoder::Create(*plan, dims, 1e-6f);
+      ASSERT_TRUE(fixed.ok());
+      direct = Decode(*fixed, pr);
+    } else {
+      auto stepped = SteppedWindowDecoder::Create(*plan, window, dims, 1e-6f);
+      ASSERT_TRUE(stepped.ok());
+      direct = Decode(*stepped, pr);
+    }
+    ASSERT_EQ(via_backend.size(), direct.size());
+    EXPECT_EQ(std::memcmp(via_backend.data(), direct.data(), direct.size() * sizeof(float)), 0);
+    EXPECT_FALSE(std::isnan(via_backend[0]));
+  }
+  const DecoderSpec bad{.plan = *plan, .window = 6, .dims = dims};
+  absl::StatusOr<std::unique_ptr<Decoder>> refused = cpu->CreateDecoder(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("multiple of the chunk"), std::string::npos);
 }
 
 }  // namespace
