@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/backend_checks.h"
+#include "kernels/cuda/cuda_allocator.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/decode_cuda.h"
 #include "kernels/cuda/elementwise_kernels.h"
@@ -49,62 +50,15 @@ class ScopedDevice {
   bool restore_ = false;
 };
 
-class CudaAllocator final : public Allocator {
- public:
-  explicit CudaAllocator(int device) : device_(device) {}
-  Device device() const override { return Device::Cuda(device_); }
-
-  absl::StatusOr<void*> Allocate(size_t bytes) override {
-    ScopedDevice scope(device_);
-    SMAT_RETURN_IF_ERROR(scope.status());
-    // cudaMalloc(0) returns nullptr, which a Tensor reads as "no buffer".
-    void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, bytes == 0 ? 256 : bytes);
-    if (err != cudaSuccess) {
-      cudaGetLastError();  // an allocation failure is not sticky; clear it
-      size_t free_bytes = 0, total_bytes = 0;
-      cudaMemGetInfo(&free_bytes, &total_bytes);
-      return Annotate(CudaStatus(err, "cudaMalloc"),
-                      absl::StrCat("allocating ", bytes, " bytes on cuda:", device_, " (",
-                                   free_bytes >> 20, " MiB free of ", total_bytes >> 20, " MiB)"));
-    }
-    RecordAllocate(p, bytes == 0 ? 256 : bytes);
-    return p;
-  }
-
-  void Free(void* ptr) override {
-    if (ptr == nullptr) return;
-    RecordFree(ptr);
-    ScopedDevice scope(device_);  // the allocation's device, whatever the caller's is
-    const cudaError_t err = cudaFree(ptr);
-    // At process exit the runtime may already be torn down; the memory goes
-    // with the context then. Anything else is a bug worth seeing.
-    if (err != cudaSuccess && err != cudaErrorCudartUnloading) {
-      std::fprintf(stderr, "smat: cudaFree on cuda:%d failed: %s\n", device_,
-                   cudaGetErrorString(err));
-    }
-  }
-
- private:
-  const int device_;
-};
-
-// One allocator per device for the whole process: a Tensor's deleter calls its
-// allocator, and tensors may outlive the backend they were allocated through.
-// Never destroyed, like CpuAllocator(), and the library is never unloaded.
-Allocator& DeviceAllocator(int device) {
-  static std::mutex mu;
-  static auto* allocators = new std::map<int, CudaAllocator*>();
-  std::lock_guard<std::mutex> lock(mu);
-  CudaAllocator*& a = (*allocators)[device];
-  if (a == nullptr) a = new CudaAllocator(device);
-  return *a;
-}
-
 class CudaStream final : public Stream {
  public:
-  CudaStream(int device, cudaStream_t s) : device(device), stream(s) {}
-  ~CudaStream() override { cudaStreamDestroy(stream); }
+  CudaStream(int device, cudaStream_t s) : device(device), stream(s) {
+    DeviceAllocator(device).RegisterStream(s);
+  }
+  ~CudaStream() override {
+    DeviceAllocator(device).UnregisterStream(stream);  // waits for the stream's work
+    cudaStreamDestroy(stream);
+  }
   const int device;
   const cudaStream_t stream;
 };
@@ -167,6 +121,7 @@ absl::Status CudaBackend::Init() {
   max_blocks_ = prop.multiProcessorCount * 8;
   allocator_ = &DeviceAllocator(device_);
   SMAT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  DeviceAllocator(device_).RegisterStream(stream_);
   SMAT_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
   // Default math with CUBLAS_COMPUTE_32F means true fp32 products: TF32 only
   // happens with CUBLAS_TF32_TENSOR_OP_MATH or a *_FAST_TF32 compute type.
@@ -182,7 +137,10 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
   if (cublas_workspace_ != nullptr) cudaFree(cublas_workspace_);
-  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (stream_ != nullptr) {
+    DeviceAllocator(device_).UnregisterStream(stream_);
+    cudaStreamDestroy(stream_);
+  }
 }
 
 absl::StatusOr<cudaStream_t> CudaBackend::StreamOf(Stream* stream, const char* op) const {

@@ -2,8 +2,11 @@
 // reached only through CreateBackend(Device::Cuda(i)) (kernels/backend.cc loads
 // the library with dlopen, so cuBLAS is never linked into an executable).
 //
-// Memory: plain cudaMalloc (never managed memory), from an allocator that lives
-// as long as the process so tensors may outlive the backend that made them.
+// Memory: device memory (never managed memory) from a caching allocator that
+// lives as long as the process, so tensors may outlive the backend that made
+// them (kernels/cuda/cuda_allocator.h). Freeing a tensor never synchronises:
+// its block is reused once the work queued before the free on the backend's
+// streams (the default one and those of CreateStream) has finished.
 // Streams are non-blocking (they never serialise with the legacy default
 // stream); nullptr means the backend's own default stream. Copy accepts every
 // host/device pair (pageable host memory is fine; a copy into host memory has
