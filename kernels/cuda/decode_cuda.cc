@@ -104,7 +104,8 @@ absl::Status CudaDecoder::Init() {
     SMAT_ASSIGN_OR_RETURN(F_, Zeros({d.batch, d.heads, g.P, r, p}, DType::kF32, s));
     SMAT_ASSIGN_OR_RETURN(F_lam_, Zeros({d.batch, d.heads, g.P}, DType::kF64, s));
   }
-  return absl::OkStatus();
+  // Zeroed before any step, whatever stream the steps run on.
+  return CudaStatus(cudaStreamSynchronize(s), "decode: cudaStreamSynchronize");
 }
 
 int64_t CudaDecoder::StateBytes() const {
