@@ -4,17 +4,27 @@
 // unchanged. Weights follow the [out, in] convention, so the LM head and the
 // tied embedding table are the same [vocab, width] matrix.
 //
+// Precision (run.bf16): with bf16 on, every product casts its operands to bf16
+// (ModelKernels::Cast, round to nearest even) and multiplies them with fp32
+// accumulation into an fp32 output (Backend::Gemm's bf16 path), forward and
+// backward (dy is cast too); weights, gradients and outputs stay fp32. An
+// operand that already is bf16 (the SMat output with bf16 features, an input
+// the caller cast once for several products) is used as it is.
+//
+//   Dense dense(backend, kernels, /*bf16=*/cfg.run().bf16());
 //   SMAT_ASSIGN_OR_RETURN(Tensor y, NewActivation(backend, {N, out}));
-//   SMAT_RETURN_IF_ERROR(LinearForward(backend, x, wq, nullptr, y));
-//   SMAT_RETURN_IF_ERROR(LinearBackward(backend, x, dy, wq, nullptr, &dx, /*accumulate_dx=*/true));
+//   SMAT_RETURN_IF_ERROR(dense.Forward(x, wq, nullptr, y));
+//   SMAT_RETURN_IF_ERROR(dense.Backward(x, dy, wq, nullptr, &dx, /*accumulate_dx=*/true));
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/tensor.h"
 #include "kernels/backend.h"
+#include "kernels/model_kernels.h"
 #include "trainer/model.h"
 
 namespace smat {
@@ -24,15 +34,42 @@ absl::StatusOr<Tensor> NewActivation(Backend& backend, Shape shape);
 // The same, zero-filled.
 absl::StatusOr<Tensor> NewZeros(Backend& backend, Shape shape);
 
-// y [N, out] = x [N, in] @ w [out, in]^T + bias [out] (bias may be null).
-absl::Status LinearForward(Backend& backend, const Tensor& x, const Parameter& w,
-                           const Parameter* bias, Tensor& y);
+class Dense {
+ public:
+  // Scratch slots of the bf16 casts: kInput is the caller's (Cast below: one
+  // cast of a block input shared by the products that read it); the others
+  // are Forward's and Backward's own.
+  enum Slot : int { kInput = 0, kWeight = 1, kGrad = 2, kOperand = 3, kNumSlots = 4 };
 
-// Backward of LinearForward for upstream gradient dy [N, out]:
-// w.grad += dy^T x, bias.grad += sum over rows of dy (rows in order, through
-// a ones-vector product), and, when dx is not null, dx [N, in] = dy w
-// (accumulate_dx: dx += dy w).
-absl::Status LinearBackward(Backend& backend, const Tensor& x, const Tensor& dy, Parameter& w,
-                            Parameter* bias, Tensor* dx, bool accumulate_dx);
+  Dense(Backend& backend, ModelKernels& kernels, bool bf16)
+      : backend_(&backend), kernels_(&kernels), bf16_(bf16) {}
+
+  bool bf16() const { return bf16_; }
+
+  // y [N, out] = x [N, in] @ w [out, in]^T + bias [out] (bias may be null).
+  absl::Status Forward(const Tensor& x, const Parameter& w, const Parameter* bias, Tensor& y);
+
+  // Backward of Forward for upstream gradient dy [N, out]: w.grad += dy^T x,
+  // bias.grad += sum over rows of dy (rows in order, through a ones-vector
+  // product), and, when dx is not null, dx [N, in] = dy w (accumulate_dx:
+  // dx += dy w).
+  absl::Status Backward(const Tensor& x, const Tensor& dy, Parameter& w, Parameter* bias,
+                        Tensor* dx, bool accumulate_dx);
+
+  // The operand the products read for t: t itself in fp32 mode (or when it is
+  // bf16 already), else its bf16 cast in scratch slot `slot`, valid until the
+  // slot's next use.
+  absl::StatusOr<Tensor> Operand(const Tensor& t, Slot slot);
+
+ private:
+  // A [n] ones vector (the bias broadcast and reduction), kept between calls.
+  absl::StatusOr<Tensor> Ones(int64_t n);
+
+  Backend* backend_;
+  ModelKernels* kernels_;
+  bool bf16_;
+  std::array<Tensor, kNumSlots> scratch_;  // bf16, grown on demand
+  Tensor ones_;
+};
 
 }  // namespace smat

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -15,6 +17,7 @@
 #include "kernels/model_kernels.h"
 #include "parallel/sequence_parallel_smat.h"
 #include "trainer/layers.h"
+#include "trainer/phase_timer.h"
 #include "trainer/smat_mixer.h"
 
 namespace smat {
@@ -60,7 +63,7 @@ struct BlockActivations {
   }
 };
 
-// Contiguous [batch * L] copy of the span [t0, t1) of a [batch, T] tensor.
+// Contiguous [batch * L] host copy of the span [t0, t1) of a host [batch, T] tensor.
 absl::StatusOr<Tensor> SpanRows(const Tensor& full, const SmatSpan& span) {
   const int64_t nb = full.dim(0), T = full.dim(1), L = span.length();
   const size_t es = DTypeSize(full.dtype());
@@ -70,6 +73,23 @@ absl::StatusOr<Tensor> SpanRows(const Tensor& full, const SmatSpan& span) {
                 static_cast<const char*>(full.raw()) + (b * T + span.t0) * es, L * es);
   }
   return out;
+}
+
+// `host` itself on a CPU backend, else its copy in the backend's memory.
+absl::StatusOr<Tensor> OnBackend(Backend& backend, const Tensor& host) {
+  if (backend.device().is_cpu()) return host;
+  SMAT_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(host.shape(), host.dtype(), backend.allocator()));
+  SMAT_RETURN_IF_ERROR(backend.Copy(host, t));
+  return t;
+}
+
+// A host copy of `t` (t itself when it is a host tensor).
+absl::StatusOr<Tensor> OnHost(Backend& backend, const Tensor& t) {
+  if (t.device().is_cpu()) return t;
+  SMAT_ASSIGN_OR_RETURN(Tensor h, Tensor::Empty(t.shape(), t.dtype()));
+  SMAT_RETURN_IF_ERROR(backend.Copy(t, h));
+  SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+  return h;
 }
 
 // The model and smat parts of ValidateConfig (core/config.cc): a model is
@@ -102,6 +122,7 @@ absl::Status ValidateModelParts(const TrainConfig& cfg) {
 
 struct Model::Impl {
   ModelKernels* kernels = nullptr;
+  std::unique_ptr<Dense> dense;  // every linear layer; precision from run.bf16
   Parameter* embedding = nullptr;   // [V, W]
   Parameter* final_norm = nullptr;  // [W]
   Parameter* head = nullptr;        // [V, W]; == embedding when tied
@@ -133,8 +154,12 @@ absl::Status Model::Impl::BlockForward(Backend& be, size_t l, const Tensor& x,
   SMAT_ASSIGN_OR_RETURN(a->rstd1, NewActivation(be, {N}));
   SMAT_RETURN_IF_ERROR(kernels->RmsNormForward(x, p.norm1->value, kNormEps, a->n1, a->rstd1));
   Tensor mixed;  // [N, W]
-  SMAT_RETURN_IF_ERROR(
-      Annotate(mixers[l].Forward(step, a->n1, &a->mixer, &mixed), "block ", l, " mixer"));
+  {
+    PhaseScope phase(be, "fwd.mixer");
+    SMAT_RETURN_IF_ERROR(
+        Annotate(mixers[l].Forward(step, a->n1, &a->mixer, &mixed), "block ", l, " mixer"));
+  }
+  PhaseScope phase(be, "fwd.mlp");
   SMAT_RETURN_IF_ERROR(kernels->ResidualAdd(x, mixed, mixed));
   a->x_mid = mixed;
   SMAT_ASSIGN_OR_RETURN(a->n2, NewActivation(be, {N, W}));
@@ -144,11 +169,12 @@ absl::Status Model::Impl::BlockForward(Backend& be, size_t l, const Tensor& x,
   SMAT_ASSIGN_OR_RETURN(a->gate, NewActivation(be, {N, F}));
   SMAT_ASSIGN_OR_RETURN(a->up, NewActivation(be, {N, F}));
   SMAT_ASSIGN_OR_RETURN(a->act, NewActivation(be, {N, F}));
-  SMAT_RETURN_IF_ERROR(LinearForward(be, a->n2, *p.w_gate, nullptr, a->gate));
-  SMAT_RETURN_IF_ERROR(LinearForward(be, a->n2, *p.w_up, nullptr, a->up));
+  SMAT_ASSIGN_OR_RETURN(const Tensor n2s, dense->Operand(a->n2, Dense::kInput));
+  SMAT_RETURN_IF_ERROR(dense->Forward(n2s, *p.w_gate, nullptr, a->gate));
+  SMAT_RETURN_IF_ERROR(dense->Forward(n2s, *p.w_up, nullptr, a->up));
   SMAT_RETURN_IF_ERROR(kernels->SwiGluForward(a->gate, a->up, a->act));
   SMAT_ASSIGN_OR_RETURN(*y, NewActivation(be, {N, W}));
-  SMAT_RETURN_IF_ERROR(LinearForward(be, a->act, *p.w_down, nullptr, *y));
+  SMAT_RETURN_IF_ERROR(dense->Forward(a->act, *p.w_down, nullptr, *y));
   return kernels->ResidualAdd(a->x_mid, *y, *y);
 }
 
@@ -157,19 +183,22 @@ absl::Status Model::Impl::BlockBackward(Backend& be, size_t l, const BlockActiva
   const BlockParameters& p = blocks[l];
   const int64_t N = a.x.dim(0), W = a.x.dim(1), F = p.w_gate->value.dim(0);
   // MLP branch: y = x_mid + act Wd^T.
+  std::optional<PhaseScope> phase(std::in_place, be, "bwd.mlp");
   SMAT_ASSIGN_OR_RETURN(Tensor d_act, NewActivation(be, {N, F}));
-  SMAT_RETURN_IF_ERROR(LinearBackward(be, a.act, dy, *p.w_down, nullptr, &d_act, false));
+  SMAT_RETURN_IF_ERROR(dense->Backward(a.act, dy, *p.w_down, nullptr, &d_act, false));
   SMAT_ASSIGN_OR_RETURN(Tensor d_gate, NewActivation(be, {N, F}));
   SMAT_ASSIGN_OR_RETURN(Tensor d_up, NewActivation(be, {N, F}));
   SMAT_RETURN_IF_ERROR(kernels->SwiGluBackward(a.gate, a.up, d_act, d_gate, d_up));
   SMAT_ASSIGN_OR_RETURN(Tensor d_n2, NewActivation(be, {N, W}));
-  SMAT_RETURN_IF_ERROR(LinearBackward(be, a.n2, d_gate, *p.w_gate, nullptr, &d_n2, false));
-  SMAT_RETURN_IF_ERROR(LinearBackward(be, a.n2, d_up, *p.w_up, nullptr, &d_n2, true));
+  SMAT_ASSIGN_OR_RETURN(const Tensor n2s, dense->Operand(a.n2, Dense::kInput));
+  SMAT_RETURN_IF_ERROR(dense->Backward(n2s, d_gate, *p.w_gate, nullptr, &d_n2, false));
+  SMAT_RETURN_IF_ERROR(dense->Backward(n2s, d_up, *p.w_up, nullptr, &d_n2, true));
   SMAT_ASSIGN_OR_RETURN(Tensor d_mid, NewActivation(be, {N, W}));
   SMAT_RETURN_IF_ERROR(
       kernels->RmsNormBackward(a.x_mid, p.norm2->value, a.rstd2, d_n2, d_mid, p.norm2->grad));
   SMAT_RETURN_IF_ERROR(kernels->ResidualAdd(d_mid, dy, d_mid));
   // Mixer branch: x_mid = x + mixer(norm1(x)).
+  phase.emplace(be, "bwd.mixer");
   Tensor d_n1;  // [N, W]
   SMAT_RETURN_IF_ERROR(Annotate(mixers[l].Backward(step, a.n1, a.mixer, d_mid, &d_n1),
                                 "block ", l, " mixer backward"));
@@ -193,6 +222,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const TrainConfig& config,
   std::unique_ptr<Model> model(new Model(cfg, backend));
   Impl& im = *model->impl_;
   SMAT_ASSIGN_OR_RETURN(im.kernels, backend.model());
+  im.dense = std::make_unique<Dense>(backend, *im.kernels, cfg.run().bf16());
 
   const int64_t V = m.vocab_size(), W = m.width(), H = m.heads(), r = m.head_dim_qk(),
                 dv = m.head_dim_v(), F = m.mlp_hidden(), K = kShortConvWidth;
@@ -304,7 +334,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const TrainConfig& config,
     mp.w_key_gate = get(b + "mixer.w_key_gate");
     mp.b_key_gate = get(b + "mixer.b_key_gate");
     im.blocks.push_back(bp);
-    SMAT_ASSIGN_OR_RETURN(SmatMixer mixer, SmatMixer::Create(cfg, mp, backend));
+    SMAT_ASSIGN_OR_RETURN(SmatMixer mixer, SmatMixer::Create(cfg, mp, backend, *im.dense));
     im.mixers.push_back(mixer);
   }
   return model;
@@ -385,13 +415,21 @@ absl::StatusOr<LossParts> Model::Forward(Communicator& sequence, const ModelInpu
   im.span = spans[sequence.rank()];
   const uint64_t seed = static_cast<uint64_t>(config_.run().seed());
   if (m.routing() == ModelConfig::TOKEN_HASH) {
-    SMAT_RETURN_IF_ERROR(
-        TokenHashRouting(plan, seed, tok, im.span, m.heads(), &im.step.prof, &im.step.type));
+    // Hashed on the host (the tokens are there), copied to the device once per
+    // forward; every layer (and a recomputed one) reads the same tables.
+    Tensor prof, type;
+    SMAT_RETURN_IF_ERROR(TokenHashRouting(plan, seed, tok, im.span, m.heads(), &prof, &type));
+    SMAT_ASSIGN_OR_RETURN(im.step.prof, OnBackend(backend_, prof));
+    SMAT_ASSIGN_OR_RETURN(im.step.type, OnBackend(backend_, type));
   }
   im.recompute = m.recompute_above_t() > 0 && T > m.recompute_above_t();
-  SMAT_ASSIGN_OR_RETURN(im.ids, SpanRows(tok, im.span));
-  SMAT_ASSIGN_OR_RETURN(im.targets, SpanRows(inputs.targets, im.span));
-  SMAT_ASSIGN_OR_RETURN(im.weights, SpanRows(inputs.loss_mask, im.span));
+  // The span's rows, sliced on the host, then (device backend) copied over.
+  SMAT_ASSIGN_OR_RETURN(const Tensor ids_host, SpanRows(tok, im.span));
+  SMAT_ASSIGN_OR_RETURN(const Tensor targets_host, SpanRows(inputs.targets, im.span));
+  SMAT_ASSIGN_OR_RETURN(const Tensor weights_host, SpanRows(inputs.loss_mask, im.span));
+  SMAT_ASSIGN_OR_RETURN(im.ids, OnBackend(backend_, ids_host));
+  SMAT_ASSIGN_OR_RETURN(im.targets, OnBackend(backend_, targets_host));
+  SMAT_ASSIGN_OR_RETURN(im.weights, OnBackend(backend_, weights_host));
   const int64_t N = im.ids.numel(), W = m.width(), V = m.vocab_size();
 
   SMAT_ASSIGN_OR_RETURN(Tensor x, NewActivation(backend_, {N, W}));  // residual stream
@@ -414,24 +452,28 @@ absl::StatusOr<LossParts> Model::Forward(Communicator& sequence, const ModelInpu
   SMAT_RETURN_IF_ERROR(im.kernels->RmsNormForward(x, im.final_norm->value, kNormEps, im.n_final,
                                                   im.rstd_final));
   SMAT_ASSIGN_OR_RETURN(im.lse, NewActivation(backend_, {N}));
+  PhaseScope loss_phase(backend_, "fwd.loss");
   LossParts parts;
   SMAT_RETURN_IF_ERROR(im.kernels->CrossEntropyForward(
       backend_, im.n_final, im.head->value, im.targets, im.weights,
       std::max<int64_t>(1, kLossScratchFloats / V), im.lse, &parts.loss_sum));
-  const float* w = im.weights.data<float>();
+  const float* w = weights_host.data<float>();
   for (int64_t i = 0; i < N; ++i) parts.token_count += w[i];
   // Exact-match counts (LossParts::correct / counted) for recall tasks, whose
   // loss rows are a few answer positions per sequence: their logits are
   // recomputed here on the host (P rows x V x W per sequence, negligible next
-  // to the forward). TEXT counts every row, so it skips this.
-  if (config_.data().kind() != DataConfig::TEXT && im.n_final.device().is_cpu() &&
-      im.head->value.device().is_cpu()) {
+  // to the forward). TEXT counts every row, so it skips this, and so does a
+  // caller that does not want them (training steps). On a device the final
+  // hidden states and the head are copied to the host first: evaluation only.
+  if (config_.data().kind() != DataConfig::TEXT && inputs.count_correct) {
     const int64_t L = N / nb;
     parts.correct.assign(nb, 0.0);
     parts.counted.assign(nb, 0.0);
-    const float* h = im.n_final.data<float>();       // [N, W]
-    const float* wh = im.head->value.data<float>();  // [V, W]
-    const int32_t* tg = im.targets.data<int32_t>();  // [N]
+    SMAT_ASSIGN_OR_RETURN(const Tensor h_host, OnHost(backend_, im.n_final));
+    SMAT_ASSIGN_OR_RETURN(const Tensor head_host, OnHost(backend_, im.head->value));
+    const float* h = h_host.data<float>();           // [N, W]
+    const float* wh = head_host.data<float>();       // [V, W]
+    const int32_t* tg = targets_host.data<int32_t>();  // [N]
     for (int64_t i = 0; i < N; ++i) {
       if (w[i] <= 0.f) continue;
       int64_t best = 0;
@@ -468,6 +510,7 @@ absl::Status Model::Backward(double normaliser) {
   const int64_t N = im.ids.numel(), W = config_.model().width(),
                 V = config_.model().vocab_size();
   SMAT_ASSIGN_OR_RETURN(Tensor d_n, NewActivation(backend_, {N, W}));
+  std::optional<PhaseScope> phase(std::in_place, backend_, "bwd.loss");
   SMAT_RETURN_IF_ERROR(im.kernels->CrossEntropyBackward(
       backend_, im.n_final, im.head->value, im.targets, im.weights, im.lse,
       static_cast<float>(1.0 / normaliser), std::max<int64_t>(1, kLossScratchFloats / V), d_n,
@@ -475,8 +518,10 @@ absl::Status Model::Backward(double normaliser) {
   SMAT_ASSIGN_OR_RETURN(Tensor dx, NewActivation(backend_, {N, W}));
   SMAT_RETURN_IF_ERROR(im.kernels->RmsNormBackward(im.x_final, im.final_norm->value,
                                                    im.rstd_final, d_n, dx, im.final_norm->grad));
+  phase.reset();
   for (size_t l = im.blocks.size(); l-- > 0;) {
     if (im.recompute) {
+      PhaseScope recompute(backend_, "bwd.recompute");
       // The same kernels on the same input (and the same collectives on every
       // rank) reproduce the forward's activations bit for bit.
       Tensor y;

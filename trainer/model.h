@@ -75,6 +75,9 @@ struct ModelInputs {
   // Every rank's span (comm.size() of them, covering [0, T), chunk-aligned);
   // empty: SplitSequence(plan, comm.size()).
   std::vector<SmatSpan> spans;
+  // Recall tasks: fill LossParts::correct / counted (an argmax over the
+  // vocabulary on the host; evaluations want it, training steps do not).
+  bool count_correct = true;
 };
 
 // The loss of this rank's span: sum over its tokens of loss_mask * -log p(target)
@@ -96,7 +99,11 @@ class Model {
  public:
   // Validates the model / smat parts of `config` (InvalidArgument naming the
   // field) and initialises the parameters from run.seed. `backend` must outlive
-  // the model and provide model() kernels (CPU today).
+  // the model and provide model() kernels. Parameters, gradients and every
+  // activation live in the backend's memory; only tokens, targets and loss
+  // weights arrive on the host (their span is copied over once per Forward).
+  // run.bf16: linear layers and the SMat op read bf16 operands (trainer/layers.h,
+  // trainer/smat_mixer.h), accumulating in fp32; weights stay fp32.
   static absl::StatusOr<std::unique_ptr<Model>> Create(const TrainConfig& config,
                                                         Backend& backend);
   ~Model();

@@ -49,21 +49,23 @@ float ScheduledLearningRate(const OptimizerConfig& config, int64_t step) {
 }
 
 absl::StatusOr<double> GlobalGradNorm(absl::Span<const OptimizerParam> params, Backend* backend) {
+  if (backend != nullptr) {
+    SMAT_ASSIGN_OR_RETURN(ModelKernels * kernels, backend->model());
+    std::vector<Tensor> grads;
+    grads.reserve(params.size());
+    for (const OptimizerParam& p : params) grads.push_back(p.grad);
+    SMAT_ASSIGN_OR_RETURN(double sum, kernels->SumOfSquares(grads));
+    return std::sqrt(sum);
+  }
   double sum = 0.0;
   for (const OptimizerParam& p : params) {
-    Tensor host = p.grad;
     if (!p.grad.device().is_cpu()) {
-      if (backend == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "GlobalGradNorm: gradient of '", p.name, "' is on ", p.grad.device().ToString(),
-            " and no backend was given to copy it"));
-      }
-      SMAT_ASSIGN_OR_RETURN(host, Tensor::Empty(p.grad.shape(), DType::kF32));
-      SMAT_RETURN_IF_ERROR(backend->Copy(p.grad, host));
-      SMAT_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GlobalGradNorm: gradient of '", p.name, "' is on ", p.grad.device().ToString(),
+          " and no backend was given to reduce it"));
     }
-    const float* g = host.data<float>();
-    const int64_t n = host.numel();
+    const float* g = p.grad.data<float>();
+    const int64_t n = p.grad.numel();
     for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(g[i]) * g[i];
   }
   return std::sqrt(sum);
@@ -79,7 +81,12 @@ absl::StatusOr<std::unique_ptr<AdamW>> AdamW::Create(const OptimizerConfig& conf
                                                      Backend* backend) {
   std::unique_ptr<AdamW> opt(new AdamW());
   opt->config_ = config;
+  if (backend == nullptr) {
+    SMAT_ASSIGN_OR_RETURN(opt->own_backend_, CreateBackend(Device::Cpu()));
+    backend = opt->own_backend_.get();
+  }
   opt->backend_ = backend;
+  SMAT_ASSIGN_OR_RETURN(opt->kernels_, backend->model());
   std::set<std::string> names;
   for (const OptimizerParam& p : params) {
     SMAT_RETURN_IF_ERROR(CheckParam(p));
@@ -87,24 +94,20 @@ absl::StatusOr<std::unique_ptr<AdamW>> AdamW::Create(const OptimizerConfig& conf
       return absl::InvalidArgumentError(
           absl::StrCat("optimizer: two parameters are named '", p.name, "'"));
     }
-    const bool on_device = !p.value.device().is_cpu();
-    if (on_device && backend == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("optimizer: parameter '", p.name, "' is on ",
-                                                     p.value.device().ToString(),
-                                                     " and no backend was given"));
+    if (!(p.value.device() == backend->device())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer: parameter '", p.name, "' is on ", p.value.device().ToString(),
+          " but the optimizer's backend runs on ", backend->device().ToString()));
     }
-    SMAT_ASSIGN_OR_RETURN(Tensor m, Tensor::Zeros(p.value.shape(), DType::kF32));
-    SMAT_ASSIGN_OR_RETURN(Tensor v, Tensor::Zeros(p.value.shape(), DType::kF32));
+    SMAT_ASSIGN_OR_RETURN(Tensor m,
+                          Tensor::Empty(p.value.shape(), DType::kF32, backend->allocator()));
+    SMAT_ASSIGN_OR_RETURN(Tensor v,
+                          Tensor::Empty(p.value.shape(), DType::kF32, backend->allocator()));
+    SMAT_RETURN_IF_ERROR(backend->Fill(m, 0.0));
+    SMAT_RETURN_IF_ERROR(backend->Fill(v, 0.0));
     opt->m_.push_back(std::move(m));
     opt->v_.push_back(std::move(v));
     opt->decay_.push_back(p.decay && p.value.rank() >= 2);
-    Tensor value_host, grad_host;
-    if (on_device) {
-      SMAT_ASSIGN_OR_RETURN(value_host, Tensor::Empty(p.value.shape(), DType::kF32));
-      SMAT_ASSIGN_OR_RETURN(grad_host, Tensor::Empty(p.value.shape(), DType::kF32));
-    }
-    opt->value_host_.push_back(std::move(value_host));
-    opt->grad_host_.push_back(std::move(grad_host));
   }
   opt->params_ = std::move(params);
   return opt;
@@ -117,44 +120,26 @@ absl::Status AdamW::Step(float lr, float grad_scale) {
   // long before t is large.
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
-  const float step_size = static_cast<float>(lr / bc1);
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  const float eps = config_.eps();
-  const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
-  const float one_minus_b1 = static_cast<float>(1.0 - b1), one_minus_b2 = static_cast<float>(1.0 - b2);
-
+  ModelKernels::AdamWScalars s;
+  s.grad_scale = grad_scale;
+  s.beta1 = static_cast<float>(b1);
+  s.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  s.beta2 = static_cast<float>(b2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  s.eps = config_.eps();
+  s.step_size = static_cast<float>(lr / bc1);
+  s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const float decay =
+      static_cast<float>(1.0 - static_cast<double>(lr) * config_.weight_decay());
   for (size_t i = 0; i < params_.size(); ++i) {
-    const OptimizerParam& p = params_[i];
-    const bool on_device = value_host_[i].defined();
-    Tensor value = p.value, grad = p.grad;
-    if (on_device) {
-      SMAT_RETURN_IF_ERROR(backend_->Copy(p.value, value_host_[i]));
-      SMAT_RETURN_IF_ERROR(backend_->Copy(p.grad, grad_host_[i]));
-      SMAT_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
-      value = value_host_[i];
-      grad = grad_host_[i];
-    }
-    float* w = value.data<float>();
-    const float* g = grad.data<float>();
-    float* m = m_[i].data<float>();
-    float* v = v_[i].data<float>();
-    const float decay = decay_[i] ? static_cast<float>(1.0 - static_cast<double>(lr) *
-                                                                  config_.weight_decay())
-                                  : 1.f;
-    const int64_t n = value.numel();
-    for (int64_t k = 0; k < n; ++k) {
-      const float gk = g[k] * grad_scale;
-      m[k] = fb1 * m[k] + one_minus_b1 * gk;
-      v[k] = fb2 * v[k] + one_minus_b2 * gk * gk;
-      const float denom = std::sqrt(v[k]) * inv_sqrt_bc2 + eps;
-      w[k] = w[k] * decay - step_size * m[k] / denom;
-    }
-    if (on_device) {
-      Tensor dst = p.value;
-      SMAT_RETURN_IF_ERROR(backend_->Copy(value_host_[i], dst));
-    }
+    OptimizerParam& p = params_[i];
+    s.decay = decay_[i] ? decay : 1.f;
+    SMAT_RETURN_IF_ERROR(Annotate(kernels_->AdamWUpdate(p.value, p.grad, m_[i], v_[i], s),
+                                  "optimizer: parameter '", p.name, "'"));
   }
-  if (backend_ != nullptr) SMAT_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+  // Asynchronous on a device: the next step's kernels queue behind these; a
+  // host reader of the values (checkpoint, test) copies through the backend,
+  // which orders after them.
   step_count_ = t;
   return absl::OkStatus();
 }

@@ -9,10 +9,11 @@
 // Weight decay applies to tensors of rank >= 2 (embeddings, projections), not to
 // gains and biases (rank 1), as in GPT-2 / nanoGPT, and not to a parameter whose
 // owner opts it out (OptimizerParam::decay). Weights and moments are
-// fp32 (the model keeps fp32 master weights even with bf16 kernels); a
-// parameter on a device is copied to the host, updated there and copied back,
-// so the device tensor stays the one source of truth (a checkpoint restore
-// needs to write nowhere else).
+// fp32 (the model keeps fp32 master weights even with bf16 kernels) and live
+// where the parameter lives: the update is ModelKernels::AdamWUpdate of the
+// backend, run in place on the device (no host round trip per step), with
+// the same operations on every backend, so a CPU and a GPU run take the same
+// step from the same gradients.
 //
 // Gradients reach the optimizer already summed over the whole dp x sp grid
 // (every rank holds the same bits), so the global norm needs no collective:
@@ -35,6 +36,7 @@
 #include "core/config.pb.h"
 #include "core/tensor.h"
 #include "kernels/backend.h"
+#include "kernels/model_kernels.h"
 
 namespace smat {
 
@@ -59,8 +61,9 @@ float ScheduledLearningRate(const OptimizerConfig& config, int64_t step);
 
 // sqrt(sum of g^2) over every element of every grad: parameters in the given
 // order, elements in memory order, accumulated in double, so every rank holding
-// the same gradients gets the same bits. Device gradients go through a host copy
-// (backend needed then; InvalidArgument otherwise).
+// the same gradients gets the same bits. With a backend the sum is its
+// ModelKernels::SumOfSquares (on the device: only the scalar comes back);
+// without one the gradients must be host tensors (InvalidArgument otherwise).
 absl::StatusOr<double> GlobalGradNorm(absl::Span<const OptimizerParam> params,
                                       Backend* backend = nullptr);
 
@@ -70,10 +73,11 @@ float ClipScale(double norm, double max_norm);
 
 class AdamW {
  public:
-  // Moments start at zero. Every param needs an fp32 value and a grad of the same
-  // shape on the same device; names must be unique (they name checkpoint
-  // tensors). `backend` is used for device parameters only and must outlive the
-  // optimizer. InvalidArgument names the offending parameter.
+  // Moments start at zero, on the parameters' device. Every param needs an
+  // fp32 value and a grad of the same shape on the backend's device; names must
+  // be unique (they name checkpoint tensors). `backend` runs the update and must
+  // outlive the optimizer; null: a CPU backend of the optimizer's own (host
+  // parameters only). InvalidArgument names the offending parameter.
   static absl::StatusOr<std::unique_ptr<AdamW>> Create(const OptimizerConfig& config,
                                                        std::vector<OptimizerParam> params,
                                                        Backend* backend = nullptr);
@@ -90,8 +94,9 @@ class AdamW {
   const std::vector<OptimizerParam>& params() const { return params_; }
   bool decays(int i) const { return decay_[i]; }
 
-  // The state a checkpoint must hold, as host fp32 tensors sharing this
-  // optimizer's buffers (so restoring = copying into them): first moments
+  // The state a checkpoint must hold, as fp32 tensors sharing this
+  // optimizer's buffers (so restoring = copying into them; on the parameters'
+  // device, so a GPU run's moments are copied out to be saved): first moments
   // "adam_m/<name>", second moments "adam_v/<name>", in parameter order.
   std::vector<std::pair<std::string, Tensor>> moments() const;
 
@@ -99,12 +104,12 @@ class AdamW {
   AdamW() = default;
 
   OptimizerConfig config_;
+  std::unique_ptr<Backend> own_backend_;  // the CPU backend when none was given
   Backend* backend_ = nullptr;
+  ModelKernels* kernels_ = nullptr;  // backend_->model()
   std::vector<OptimizerParam> params_;
   std::vector<bool> decay_;
-  std::vector<Tensor> m_, v_;    // host fp32, shape of each param
-  // Host scratch for device params (undefined for host ones): value and grad.
-  std::vector<Tensor> value_host_, grad_host_;
+  std::vector<Tensor> m_, v_;  // fp32 on the parameters' device, shape of each param
   int64_t step_count_ = 0;
 };
 

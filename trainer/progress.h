@@ -37,7 +37,9 @@ struct ProgressLine {
   double tokens_per_second = 0;  // whole job
   double seconds_per_step = 0;   // mean over the steps since the last line
   double eta_seconds = 0;
-  int64_t memory_bytes = 0;      // this rank: resident host memory
+  // This rank: the most memory the backend's allocator had in use at once
+  // since the previous line (device memory on a GPU; host on the CPU).
+  int64_t memory_bytes = 0;
   int64_t activation_bytes = 0;  // this rank: activations kept for backward
 };
 std::string FormatProgressLine(const ProgressLine& line);

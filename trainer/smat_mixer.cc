@@ -3,12 +3,12 @@
 #include "trainer/smat_mixer.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/rng.h"
 #include "core/status.h"
 #include "trainer/layers.h"
+#include "trainer/phase_timer.h"
 
 namespace smat {
 namespace {
@@ -38,6 +38,9 @@ int64_t MixerActivations::Bytes() const {
   if (k_in.defined() && k_in.raw() != k_proj.raw()) b += AddBytes(k_in);
   if (v.defined() && v.raw() != v_proj.raw()) b += AddBytes(v);
   if (psi.defined() && psi.raw() != psi_raw.raw()) b += AddBytes(psi);
+  if (smat_phi.defined() && smat_phi.raw() != phi.raw()) b += AddBytes(smat_phi);
+  if (smat_psi.defined() && smat_psi.raw() != psi.raw()) b += AddBytes(smat_psi);
+  if (smat_v.defined() && smat_v.raw() != v.raw()) b += AddBytes(smat_v);
   const SpSmatSaved& s = smat.saved;
   for (const Tensor* t : {&smat.o, &s.local.lam, &s.local.chunk_decay, &s.local.S_in,
                           &s.local.U, &s.local.den, &s.span_decays, &s.recent_offset,
@@ -48,7 +51,7 @@ int64_t MixerActivations::Bytes() const {
 }
 
 absl::StatusOr<SmatMixer> SmatMixer::Create(const TrainConfig& config, MixerParameters params,
-                                            Backend& backend) {
+                                            Backend& backend, Dense& dense) {
   const ModelConfig& m = config.model();
   if (!ModelConfig::FeatureMap_IsValid(m.feature_map())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -60,7 +63,7 @@ absl::StatusOr<SmatMixer> SmatMixer::Create(const TrainConfig& config, MixerPara
   SMAT_CHECK(!m.short_conv() || (params.conv_q && params.conv_k && params.conv_v));
   SMAT_CHECK(!m.gated() || (params.w_decay && params.b_decay));
   SMAT_CHECK(!m.key_gate() || (params.w_key_gate && params.b_key_gate));
-  return SmatMixer(backend, *kernels, params, m.feature_map(), m.heads(), m.head_dim_qk(),
+  return SmatMixer(backend, *kernels, dense, params, m.feature_map(), m.heads(), m.head_dim_qk(),
                    m.head_dim_v(), config.smat().eps());
 }
 
@@ -106,6 +109,20 @@ absl::Status SmatMixer::FeaturesBackward(const Tensor& x, const Tensor& y, const
   return absl::OkStatus();
 }
 
+absl::StatusOr<Tensor> SmatMixer::SmatOperand(const Tensor& t) {
+  if (!dense_->bf16()) return t;
+  SMAT_ASSIGN_OR_RETURN(Tensor t16,
+                        Tensor::Empty(t.shape(), DType::kBF16, backend_->allocator()));
+  SMAT_RETURN_IF_ERROR(kernels_->Cast(t, t16));
+  // The CUDA SMat kernels read bf16 features; the CPU ones are fp32, so there
+  // they get the same bf16-rounded values in fp32 (the rounding, not the
+  // storage, is what the precision changes).
+  if (!backend_->device().is_cpu()) return t16;
+  SMAT_ASSIGN_OR_RETURN(Tensor wide, NewActivation(*backend_, t.shape()));
+  SMAT_RETURN_IF_ERROR(kernels_->Cast(t16, wide));
+  return wide;
+}
+
 absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerActivations* a,
                                 Tensor* out) {
   Backend& be = *backend_;
@@ -116,9 +133,11 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   SMAT_ASSIGN_OR_RETURN(a->q_proj, NewActivation(be, {N, Cq}));
   SMAT_ASSIGN_OR_RETURN(a->k_proj, NewActivation(be, {N, Cq}));
   SMAT_ASSIGN_OR_RETURN(a->v_proj, NewActivation(be, {N, Cv}));
-  SMAT_RETURN_IF_ERROR(LinearForward(be, x, *p_.wq, nullptr, a->q_proj));
-  SMAT_RETURN_IF_ERROR(LinearForward(be, x, *p_.wk, nullptr, a->k_proj));
-  SMAT_RETURN_IF_ERROR(LinearForward(be, x, *p_.wv, nullptr, a->v_proj));
+  // One bf16 cast of x (run.bf16) serves the five products that read it.
+  SMAT_ASSIGN_OR_RETURN(const Tensor xs, dense_->Operand(x, Dense::kInput));
+  SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wq, nullptr, a->q_proj));
+  SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wk, nullptr, a->k_proj));
+  SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wv, nullptr, a->v_proj));
 
   if (p_.conv_q != nullptr) {
     // The conv reads 3 rows before the span: one halo exchange for q, k, v.
@@ -126,7 +145,7 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
                                       a->k_proj.View(0, {nb, L, Cq}),
                                       a->v_proj.View(0, {nb, L, Cv})};
     SMAT_ASSIGN_OR_RETURN(std::vector<Tensor> prefix,
-                          ExchangeConvPrefix(*step.comm, step.spans, proj));
+                          ExchangeConvPrefix(be, *step.comm, step.spans, proj));
     a->q_prefix = prefix[0];
     a->k_prefix = prefix[1];
     a->v_prefix = prefix[2];
@@ -150,7 +169,7 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   SMAT_RETURN_IF_ERROR(Features(a->k_in, a->psi_raw));
   if (p_.w_key_gate != nullptr) {
     SMAT_ASSIGN_OR_RETURN(a->key_gate, NewActivation(be, {N, H_}));
-    SMAT_RETURN_IF_ERROR(LinearForward(be, x, *p_.w_key_gate, p_.b_key_gate, a->key_gate));
+    SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.w_key_gate, p_.b_key_gate, a->key_gate));
     SMAT_ASSIGN_OR_RETURN(a->psi, NewActivation(be, {N, H_, r_}));
     SMAT_RETURN_IF_ERROR(
         kernels_->SigmoidScaleForward(a->psi_raw.View(0, {N, H_, r_}), a->key_gate, a->psi));
@@ -160,24 +179,30 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   }
   if (p_.w_decay != nullptr) {
     SMAT_ASSIGN_OR_RETURN(a->decay_in, NewActivation(be, {N, H_}));
-    SMAT_RETURN_IF_ERROR(LinearForward(be, x, *p_.w_decay, p_.b_decay, a->decay_in));
+    SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.w_decay, p_.b_decay, a->decay_in));
     SMAT_ASSIGN_OR_RETURN(a->logg, NewActivation(be, {N, H_}));
     SMAT_RETURN_IF_ERROR(kernels_->NegSoftplusForward(a->decay_in, a->logg));
   }
 
+  SMAT_ASSIGN_OR_RETURN(a->smat_phi, SmatOperand(a->phi));
+  SMAT_ASSIGN_OR_RETURN(a->smat_psi, SmatOperand(a->psi));
+  SMAT_ASSIGN_OR_RETURN(a->smat_v, SmatOperand(a->v));
   SmatInputs in;
-  in.phi = a->phi.View(0, {nb, L, H_, r_});
-  in.psi = a->psi.View(0, {nb, L, H_, r_});
-  in.v = a->v.View(0, {nb, L, H_, dv_});
+  in.phi = a->smat_phi.View(0, {nb, L, H_, r_});
+  in.psi = a->smat_psi.View(0, {nb, L, H_, r_});
+  in.v = a->smat_v.View(0, {nb, L, H_, dv_});
   if (a->logg.defined()) in.logg = a->logg.View(0, {nb, L, H_});
   in.prof = step.prof;
   in.type = step.type;
   in.eps = eps_;
-  SMAT_RETURN_IF_ERROR(
-      SequenceParallelSmatForward(be, *step.comm, *step.plan, step.spans, in, &a->smat));
+  {
+    PhaseScope phase(be, "fwd.mixer.smat");
+    SMAT_RETURN_IF_ERROR(
+        SequenceParallelSmatForward(be, *step.comm, *step.plan, step.spans, in, &a->smat));
+  }
 
   SMAT_ASSIGN_OR_RETURN(*out, NewActivation(be, {N, W}));
-  return LinearForward(be, a->smat.o.View(0, {N, Cv}), *p_.wo, nullptr, *out);
+  return dense_->Forward(a->smat.o.View(0, {N, Cv}), *p_.wo, nullptr, *out);
 }
 
 absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
@@ -188,26 +213,31 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
 
   SMAT_ASSIGN_OR_RETURN(Tensor d_o, NewActivation(be, {N, Cv}));  // [N, H dv]
   SMAT_RETURN_IF_ERROR(
-      LinearBackward(be, a.smat.o.View(0, {N, Cv}), dout, *p_.wo, nullptr, &d_o, false));
+      dense_->Backward(a.smat.o.View(0, {N, Cv}), dout, *p_.wo, nullptr, &d_o, false));
 
   SmatInputs in;
-  in.phi = a.phi.View(0, {nb, L, H_, r_});
-  in.psi = a.psi.View(0, {nb, L, H_, r_});
-  in.v = a.v.View(0, {nb, L, H_, dv_});
+  in.phi = a.smat_phi.View(0, {nb, L, H_, r_});
+  in.psi = a.smat_psi.View(0, {nb, L, H_, r_});
+  in.v = a.smat_v.View(0, {nb, L, H_, dv_});
   if (a.logg.defined()) in.logg = a.logg.View(0, {nb, L, H_});
   in.prof = step.prof;
   in.type = step.type;
   in.eps = eps_;
   SmatGradients g;
-  SMAT_RETURN_IF_ERROR(SequenceParallelSmatBackward(be, *step.comm, *step.plan, step.spans, in,
-                                                    a.smat, d_o.View(0, {nb, L, H_, dv_}), &g));
+  {
+    PhaseScope phase(be, "bwd.mixer.smat");
+    SMAT_RETURN_IF_ERROR(SequenceParallelSmatBackward(be, *step.comm, *step.plan, step.spans,
+                                                      in, a.smat, d_o.View(0, {nb, L, H_, dv_}),
+                                                      &g));
+  }
 
   SMAT_ASSIGN_OR_RETURN(*dx, NewZeros(be, {N, W}));
+  SMAT_ASSIGN_OR_RETURN(const Tensor xs, dense_->Operand(x, Dense::kInput));
   if (p_.w_decay != nullptr) {
     SMAT_ASSIGN_OR_RETURN(Tensor d_decay, NewActivation(be, {N, H_}));  // [N, H]
     SMAT_RETURN_IF_ERROR(
         kernels_->NegSoftplusBackward(a.decay_in, g.logg.View(0, {N, H_}), d_decay));
-    SMAT_RETURN_IF_ERROR(LinearBackward(be, x, d_decay, *p_.w_decay, p_.b_decay, dx, true));
+    SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_decay, *p_.w_decay, p_.b_decay, dx, true));
   }
   Tensor d_psi_raw = g.psi.View(0, {N, Cq});  // [N, H r]
   if (p_.w_key_gate != nullptr) {
@@ -216,8 +246,7 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
     SMAT_RETURN_IF_ERROR(kernels_->SigmoidScaleBackward(a.psi_raw.View(0, {N, H_, r_}),
                                                         a.key_gate, g.psi.View(0, {N, H_, r_}),
                                                         d_raw, d_gate));
-    SMAT_RETURN_IF_ERROR(
-        LinearBackward(be, x, d_gate, *p_.w_key_gate, p_.b_key_gate, dx, true));
+    SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_gate, *p_.w_key_gate, p_.b_key_gate, dx, true));
     d_psi_raw = d_raw.View(0, {N, Cq});
   }
   // Gradients of the feature-map inputs (conv outputs or projections).
@@ -246,11 +275,12 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
           xs[i]->View(0, {nb, L, C}), *prefixes[i], ws[i]->value, dys[i]->View(0, {nb, L, C}),
           d_proj[i], d_prefix[i], ws[i]->grad));
     }
-    SMAT_RETURN_IF_ERROR(ReturnConvPrefixGradients(*step.comm, step.spans, d_prefix, d_proj));
+    SMAT_RETURN_IF_ERROR(
+        ReturnConvPrefixGradients(be, *step.comm, step.spans, d_prefix, d_proj));
   }
-  SMAT_RETURN_IF_ERROR(LinearBackward(be, x, d_q, *p_.wq, nullptr, dx, true));
-  SMAT_RETURN_IF_ERROR(LinearBackward(be, x, d_k, *p_.wk, nullptr, dx, true));
-  return LinearBackward(be, x, d_v, *p_.wv, nullptr, dx, true);
+  SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_q, *p_.wq, nullptr, dx, true));
+  SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_k, *p_.wk, nullptr, dx, true));
+  return dense_->Backward(xs, d_v, *p_.wv, nullptr, dx, true);
 }
 
 // --- routing -------------------------------------------------------------------------------
@@ -310,85 +340,119 @@ absl::Status TokenHashRouting(const SmatPlan& plan, uint64_t seed, const Tensor&
 
 // --- short-conv halo ----------------------------------------------------------------------
 
-absl::StatusOr<std::vector<Tensor>> ExchangeConvPrefix(Communicator& comm,
+namespace {
+
+// Memory for a collective's buffers: where the communicator reads and writes
+// (host for MPI, the device for NCCL).
+Allocator& CommAllocator(Backend& backend, const Communicator& comm) {
+  return comm.device().is_cpu() ? CpuAllocator() : backend.allocator();
+}
+
+// One [rows, C_i] block of a [batch, rows, C_i] tensor, as a flat view: rows
+// [r0, r0 + n) of batch entry b.
+Tensor Rows(const Tensor& t, int64_t b, int64_t r0, int64_t n) {
+  const int64_t rows = t.dim(1), C = t.dim(2);
+  return t.View((b * rows + r0) * C, {n * C});
+}
+
+}  // namespace
+
+// The halo travels as one flat buffer per rank: for each projection i, its
+// [batch, K-1, C_i] block (the rank's last K-1 rows), blocks side by side, so
+// every (projection, batch entry) piece is one contiguous copy.
+absl::StatusOr<std::vector<Tensor>> ExchangeConvPrefix(Backend& backend, Communicator& comm,
                                                        const std::vector<SmatSpan>& spans,
                                                        const std::vector<Tensor>& proj) {
   const int W = comm.size(), me = comm.rank();
   const int64_t nb = proj[0].dim(0), L = proj[0].dim(1);
-  int64_t C = 0;
-  for (const Tensor& t : proj) C += t.dim(2);
-  // send [batch, K-1, C]: this rank's last K-1 rows of every projection, side
-  // by side (rows before the span, when L < K-1, are never read: see below).
-  SMAT_ASSIGN_OR_RETURN(Tensor send, Tensor::Zeros({nb, kHalo, C}, DType::kF32));
-  SMAT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty({W, nb, kHalo, C}, DType::kF32));
-  float* sp = send.data<float>();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t i = 0; i < kHalo; ++i) {
-      const int64_t row = L - kHalo + i;
-      if (row < 0) continue;
-      int64_t c0 = 0;
-      for (const Tensor& t : proj) {
-        const int64_t Ci = t.dim(2);
-        std::memcpy(sp + (b * kHalo + i) * C + c0, t.data<float>() + (b * L + row) * Ci,
-                    sizeof(float) * Ci);
-        c0 += Ci;
-      }
+  std::vector<Tensor> prefix;
+  std::vector<int64_t> offset;  // of projection i's block in a rank's buffer
+  int64_t per_rank = 0;
+  for (const Tensor& t : proj) {
+    SMAT_ASSIGN_OR_RETURN(Tensor p, NewZeros(backend, {nb, kHalo, t.dim(2)}));
+    prefix.push_back(p);
+    offset.push_back(per_rank);
+    per_rank += nb * kHalo * t.dim(2);
+  }
+  if (W == 1) return prefix;  // the rows before the sequence are zeros
+  Allocator& alloc = CommAllocator(backend, comm);
+  SMAT_ASSIGN_OR_RETURN(Tensor send, Tensor::Empty({per_rank}, DType::kF32, alloc));
+  SMAT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty({W * per_rank}, DType::kF32, alloc));
+  // Rows before the span (L < K-1) are never read (see below): zeros.
+  SMAT_RETURN_IF_ERROR(backend.Fill(send, 0.0));
+  const int64_t have = std::min<int64_t>(L, kHalo);
+  for (size_t i = 0; i < proj.size(); ++i) {
+    const int64_t Ci = proj[i].dim(2);
+    for (int64_t b = 0; b < nb; ++b) {
+      Tensor dst = send.View(offset[i] + (b * kHalo + kHalo - have) * Ci, {have * Ci});
+      SMAT_RETURN_IF_ERROR(backend.Copy(Rows(proj[i], b, L - have, have), dst));
     }
   }
+  // The communicator runs on its own stream (NCCL) or reads host memory (MPI):
+  // the copies above must be complete first.
+  SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
   SMAT_RETURN_IF_ERROR(Annotate(comm.AllGather(send, recv), "short conv halo"));
-  std::vector<Tensor> prefix;
-  for (const Tensor& t : proj) {
-    SMAT_ASSIGN_OR_RETURN(Tensor p, Tensor::Zeros({nb, kHalo, t.dim(2)}, DType::kF32));
-    prefix.push_back(p);
-  }
-  const float* rp = recv.data<float>();  // [W, batch, K-1, C]
   const int64_t t0 = spans[me].t0;
-  for (int64_t i = 0; i < kHalo; ++i) {
+  // Runs of prefix rows [i0, i1) that come from one owner k, at consecutive
+  // rows j0.. of its block: one copy per run, projection and batch entry.
+  int64_t i = 0;
+  while (i < kHalo) {
     const int64_t s = t0 - kHalo + i;
-    if (s < 0) continue;  // before the sequence: zeros
+    if (s < 0) {  // before the sequence: zeros
+      ++i;
+      continue;
+    }
     // The owner k of row s ends at or before t0, so s >= t1_k - (K-1): the row
     // is among the last K-1 rows the owner sent.
     int k = 0;
     while (k < W && !(spans[k].t0 <= s && s < spans[k].t1)) ++k;
     SMAT_CHECK(k < me);
-    const int64_t j = s - (spans[k].t1 - kHalo);
-    SMAT_CHECK(j >= 0 && j < kHalo);
-    for (int64_t b = 0; b < nb; ++b) {
-      int64_t c0 = 0;
-      for (Tensor& p : prefix) {
-        const int64_t Ci = p.dim(2);
-        std::memcpy(p.data<float>() + (b * kHalo + i) * Ci,
-                    rp + ((int64_t{k} * nb + b) * kHalo + j) * C + c0, sizeof(float) * Ci);
-        c0 += Ci;
+    const int64_t j0 = s - (spans[k].t1 - kHalo);
+    SMAT_CHECK(j0 >= 0 && j0 < kHalo);
+    int64_t n = 1;
+    while (i + n < kHalo && t0 - kHalo + i + n < spans[k].t1) ++n;
+    for (size_t p = 0; p < proj.size(); ++p) {
+      const int64_t Ci = prefix[p].dim(2);
+      for (int64_t b = 0; b < nb; ++b) {
+        Tensor dst = Rows(prefix[p], b, i, n);
+        const Tensor src =
+            recv.View(int64_t{k} * per_rank + offset[p] + (b * kHalo + j0) * Ci, {n * Ci});
+        SMAT_RETURN_IF_ERROR(backend.Copy(src, dst));
       }
     }
+    i += n;
   }
   return prefix;
 }
 
-absl::Status ReturnConvPrefixGradients(Communicator& comm, const std::vector<SmatSpan>& spans,
+absl::Status ReturnConvPrefixGradients(Backend& backend, Communicator& comm,
+                                       const std::vector<SmatSpan>& spans,
                                        const std::vector<Tensor>& d_prefix,
                                        std::vector<Tensor>& d_proj) {
   const int W = comm.size(), me = comm.rank();
-  const int64_t nb = d_proj[0].dim(0), L = d_proj[0].dim(1);
-  int64_t C = 0;
-  for (const Tensor& t : d_prefix) C += t.dim(2);
-  SMAT_ASSIGN_OR_RETURN(Tensor send, Tensor::Empty({nb, kHalo, C}, DType::kF32));
-  SMAT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty({W, nb, kHalo, C}, DType::kF32));
-  float* sp = send.data<float>();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t i = 0; i < kHalo; ++i) {
-      int64_t c0 = 0;
-      for (const Tensor& t : d_prefix) {
-        const int64_t Ci = t.dim(2);
-        std::memcpy(sp + (b * kHalo + i) * C + c0, t.data<float>() + (b * kHalo + i) * Ci,
-                    sizeof(float) * Ci);
-        c0 += Ci;
-      }
-    }
+  // One rank: the prefix rows precede the sequence and have no owner.
+  if (W == 1) return absl::OkStatus();
+  const int64_t nb = d_proj[0].dim(0);
+  std::vector<int64_t> offset;
+  int64_t per_rank = 0;
+  for (const Tensor& t : d_prefix) {
+    offset.push_back(per_rank);
+    per_rank += t.numel();
   }
+  Allocator& alloc = CommAllocator(backend, comm);
+  SMAT_ASSIGN_OR_RETURN(Tensor send, Tensor::Empty({per_rank}, DType::kF32, alloc));
+  SMAT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty({W * per_rank}, DType::kF32, alloc));
+  for (size_t p = 0; p < d_prefix.size(); ++p) {
+    Tensor dst = send.View(offset[p], {d_prefix[p].numel()});
+    SMAT_RETURN_IF_ERROR(backend.Copy(d_prefix[p].View(0, {d_prefix[p].numel()}), dst));
+  }
+  SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
   SMAT_RETURN_IF_ERROR(Annotate(comm.AllGather(send, recv), "short conv halo gradients"));
-  const float* rp = recv.data<float>();  // [W, batch, K-1, C]
+  Tensor recv_dev = recv;  // Axpy reads device memory on a device backend
+  if (!(recv.device() == backend.device())) {
+    SMAT_ASSIGN_OR_RETURN(recv_dev, Tensor::Empty(recv.shape(), DType::kF32, backend.allocator()));
+    SMAT_RETURN_IF_ERROR(backend.Copy(recv, recv_dev));
+  }
   const SmatSpan mine = spans[me];
   // Later ranks in increasing order, rows in increasing order: a fixed sum.
   for (int j = me + 1; j < W; ++j) {
@@ -396,19 +460,19 @@ absl::Status ReturnConvPrefixGradients(Communicator& comm, const std::vector<Sma
       const int64_t s = spans[j].t0 - kHalo + i;
       if (s < mine.t0 || s >= mine.t1) continue;
       const int64_t row = s - mine.t0;
-      for (int64_t b = 0; b < nb; ++b) {
-        int64_t c0 = 0;
-        for (Tensor& d : d_proj) {
-          const int64_t Ci = d.dim(2);
-          float* dst = d.data<float>() + (b * L + row) * Ci;
-          const float* src = rp + ((int64_t{j} * nb + b) * kHalo + i) * C + c0;
-          for (int64_t c = 0; c < Ci; ++c) dst[c] += src[c];
-          c0 += Ci;
+      for (size_t p = 0; p < d_proj.size(); ++p) {
+        const int64_t Ci = d_proj[p].dim(2);
+        for (int64_t b = 0; b < nb; ++b) {
+          Tensor dst = Rows(d_proj[p], b, row, 1);
+          const Tensor src =
+              recv_dev.View(int64_t{j} * per_rank + offset[p] + (b * kHalo + i) * Ci, {Ci});
+          SMAT_RETURN_IF_ERROR(backend.Axpy(1.f, src, dst));
         }
       }
     }
   }
-  return absl::OkStatus();
+  // recv (host, MPI) must outlive the copies that read it.
+  return backend.Synchronize(nullptr);
 }
 
 }  // namespace smat

@@ -30,6 +30,7 @@
 #include "kernels/smat_kernels.h"
 #include "parallel/communicator.h"
 #include "parallel/sequence_parallel_smat.h"
+#include "trainer/layers.h"
 #include "trainer/model.h"
 
 namespace smat {
@@ -72,6 +73,10 @@ struct MixerActivations {
   Tensor phi, psi_raw, psi;             // [N, H r] features; psi = psi_raw * key gate
   Tensor key_gate;                      // [N, H] pre-sigmoid key gate (key_gate)
   Tensor decay_in, logg;                // [N, H] pre-softplus decay, log-gate (gated)
+  // The SMat op's phi, psi, v [N, H r | H dv]: phi, psi, v themselves in fp32;
+  // with run.bf16 their bf16 casts (CUDA), or on the CPU, whose SMat kernels are
+  // fp32, the same bf16-rounded values widened back to fp32.
+  Tensor smat_phi, smat_psi, smat_v;
   SpSmatForwardOutputs smat;            // o [batch, L, H, dv] and the op's saved state
   int64_t Bytes() const;                // every defined tensor above (shared buffers once)
 };
@@ -79,10 +84,11 @@ struct MixerActivations {
 class SmatMixer {
  public:
   // `config` supplies the sizes and switches (model.*, smat.eps); `params`
-  // must hold every parameter the switches ask for. InvalidArgument for a
-  // feature map the kernels do not provide.
+  // must hold every parameter the switches ask for; `dense` runs the
+  // projections (its precision is run.bf16's) and must outlive the mixer.
+  // InvalidArgument for a feature map the kernels do not provide.
   static absl::StatusOr<SmatMixer> Create(const TrainConfig& config, MixerParameters params,
-                                          Backend& backend);
+                                          Backend& backend, Dense& dense);
 
   // out [N, W] (allocated) from x [N, W], the block's normalised input.
   // Collective over step.comm.
@@ -94,16 +100,19 @@ class SmatMixer {
                         const Tensor& dout, Tensor* dx);
 
  private:
-  SmatMixer(Backend& backend, ModelKernels& kernels, MixerParameters params,
+  SmatMixer(Backend& backend, ModelKernels& kernels, Dense& dense, MixerParameters params,
             ModelConfig::FeatureMap features, int64_t heads, int64_t r, int64_t dv, float eps)
-      : backend_(&backend), kernels_(&kernels), p_(params), features_(features), H_(heads),
-        r_(r), dv_(dv), eps_(eps) {}
+      : backend_(&backend), kernels_(&kernels), dense_(&dense), p_(params), features_(features),
+        H_(heads), r_(r), dv_(dv), eps_(eps) {}
+  // What the SMat op reads for the fp32 features t (see smat_phi above).
+  absl::StatusOr<Tensor> SmatOperand(const Tensor& t);
   // y = f(x) and dx = f'(x) dy for the configured feature map; x, y, dx [N, H r].
   absl::Status Features(const Tensor& x, Tensor& y);
   absl::Status FeaturesBackward(const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx);
 
   Backend* backend_;
   ModelKernels* kernels_;
+  Dense* dense_;
   MixerParameters p_;
   ModelConfig::FeatureMap features_;
   int64_t H_, r_, dv_;
@@ -130,16 +139,21 @@ absl::Status TokenHashRouting(const SmatPlan& plan, uint64_t seed, const Tensor&
                               const SmatSpan& span, int64_t heads, Tensor* prof, Tensor* type);
 
 // The rows [t0 - (K-1), t0) of every projection in `proj` ([batch, L, C_i]
-// each, this rank's span) gathered from the ranks that own them (one AllGather
-// of every rank's last K-1 rows; zeros before position 0): one [batch, K-1,
-// C_i] tensor per projection. Collective over comm.
-absl::StatusOr<std::vector<Tensor>> ExchangeConvPrefix(Communicator& comm,
+// each, this rank's span, fp32 on the backend) gathered from the ranks that
+// own them (one AllGather of every rank's last K-1 rows; zeros before position
+// 0): one [batch, K-1, C_i] tensor per projection, on the backend. Rows move by
+// Backend::Copy of tensor views, so device tensors never visit the host; the
+// gathered buffers live where the communicator wants them (host for MPI, the
+// GPU for NCCL). One rank: zeros, no collective. Collective over comm.
+absl::StatusOr<std::vector<Tensor>> ExchangeConvPrefix(Backend& backend, Communicator& comm,
                                                        const std::vector<SmatSpan>& spans,
                                                        const std::vector<Tensor>& proj);
 // The adjoint: every rank's prefix gradients d_prefix[i] [batch, K-1, C_i] are
 // all-gathered and each owner adds the rows of its span into d_proj[i]
-// [batch, L, C_i] (ranks in increasing order). Collective over comm.
-absl::Status ReturnConvPrefixGradients(Communicator& comm, const std::vector<SmatSpan>& spans,
+// [batch, L, C_i] (ranks in increasing order, Backend::Axpy). Collective over
+// comm.
+absl::Status ReturnConvPrefixGradients(Backend& backend, Communicator& comm,
+                                       const std::vector<SmatSpan>& spans,
                                        const std::vector<Tensor>& d_prefix,
                                        std::vector<Tensor>& d_proj);
 

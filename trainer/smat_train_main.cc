@@ -326,7 +326,7 @@ int Main(int argc, char** argv) {
       rec.comm.push_back({CollectiveOpLabel(op), step.comm[op].seconds, step.comm[op].bytes});
     }
     (*metrics)->RecordStep(rec);
-    (*metrics)->SetDeviceMemoryBytes(ResidentBytes() + step.activation_bytes);
+    (*metrics)->SetDeviceMemoryBytes(step.memory_peak_bytes);
   };
   const int64_t total_steps = s.config.run().steps();
   bool preempted = false;

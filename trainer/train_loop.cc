@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <string>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -13,6 +16,8 @@
 #include "core/exit_codes.h"
 #include "core/status.h"
 #include "trainer/checkpoint.h"
+#include "trainer/device_memory.h"
+#include "trainer/phase_timer.h"
 
 namespace smat {
 namespace {
@@ -99,10 +104,18 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
         " needs held-out data: set data.heldout_path (smat_data bytes --heldout_fraction writes "
         "it) or set run.eval_every = 0"));
   }
-  std::unique_ptr<Trainer> t(new Trainer(config, pg, backend));
+  // On a device, activations come from a caching allocator (device_memory.h);
+  // SMAT_CACHING_ALLOCATOR=0 allocates straight from the backend (to compare).
+  std::unique_ptr<Backend> cached;
+  const char* caching = std::getenv("SMAT_CACHING_ALLOCATOR");
+  if (!backend.device().is_cpu() && !(caching != nullptr && std::string(caching) == "0")) {
+    cached = MakeCachingBackend(backend);
+  }
+  std::unique_ptr<Trainer> t(new Trainer(config, pg, cached ? *cached : backend));
+  t->cached_backend_ = std::move(cached);
   SMAT_ASSIGN_OR_RETURN(t->sampler_,
                         BatchSampler::Create(config.data(), config.model().vocab_size(), pg.dp()));
-  SMAT_ASSIGN_OR_RETURN(t->model_, Model::Create(config, backend));
+  SMAT_ASSIGN_OR_RETURN(t->model_, Model::Create(config, t->backend_));
   std::vector<OptimizerParam> params;
   int64_t total = 0;
   for (Parameter& p : t->model_->parameters()) {
@@ -110,12 +123,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
     total += p.value.numel();
   }
   SMAT_ASSIGN_OR_RETURN(t->optimizer_,
-                        AdamW::Create(config.optimizer(), std::move(params), &backend));
+                        AdamW::Create(config.optimizer(), std::move(params), &t->backend_));
   if (pg.world_size() > 1) {
-    // On the communicator's device: host for MPI, the GPU for NCCL.
+    // On the communicator's device: host for MPI, the GPU for NCCL (the copies
+    // in and out are device-to-device then).
+    Allocator& alloc = pg.world().device().is_cpu() ? CpuAllocator() : t->backend_.allocator();
     SMAT_ASSIGN_OR_RETURN(t->grad_buffer_,
-                          Tensor::Empty({std::max<int64_t>(total, 1)}, DType::kF32,
-                                        backend.allocator()));
+                          Tensor::Empty({std::max<int64_t>(total, 1)}, DType::kF32, alloc));
   }
   t->sequence_ = std::make_unique<RecordingCommunicator>(pg.sequence(), &t->comm_);
   t->world_ = std::make_unique<RecordingCommunicator>(pg.world(), &t->comm_);
@@ -170,24 +184,30 @@ absl::Status Trainer::AllReduceGradients() {
 }
 
 absl::StatusOr<StepStats> Trainer::Step() {
+  PhaseScope step_scope(backend_, "step");
   const double t_start = Now();
   const int64_t step = state_.step;
   StepStats st;
   comm_.Reset();
+  backend_.allocator().ResetPeak();
   st.first_sequence = state_.cursor;
   st.sequences = sampler_->GlobalBatchSequences();
+  std::optional<PhaseScope> phase(std::in_place, backend_, "data");
   SMAT_ASSIGN_OR_RETURN(Batch batch, sampler_->TrainBatchAt(state_.cursor, pg_.dp_rank()));
   SMAT_RETURN_IF_ERROR(model_->ZeroGrad());
+  phase.emplace(backend_, "forward");
   ModelInputs in;
   in.tokens = batch.inputs;
   in.targets = batch.targets;
   in.loss_mask = batch.loss_mask;
+  in.count_correct = false;  // evaluations count answers; steps need the loss only
   absl::StatusOr<LossParts> forward = model_->Forward(*sequence_, in);
   if (!forward.ok()) {
     return ClassifyModelError(forward.status(), model_->parameters(), step, "forward");
   }
   const LossParts& parts = *forward;
   st.activation_bytes = model_->ActivationBytes();
+  phase.emplace(backend_, "loss_gather");
 
   SMAT_ASSIGN_OR_RETURN(std::vector<double> all,
                         GatherDoubles({parts.loss_sum, parts.token_count}));
@@ -212,10 +232,13 @@ absl::StatusOr<StepStats> Trainer::Step() {
         "and resume from the last checkpoint",
         step + 1, st.loss, loss_sum, count)));
   }
+  phase.emplace(backend_, "backward");
   if (absl::Status b = model_->Backward(count); !b.ok()) {
     return ClassifyModelError(b, model_->parameters(), step, "backward");
   }
+  phase.emplace(backend_, "grad_allreduce");
   SMAT_RETURN_IF_ERROR(AllReduceGradients());
+  phase.emplace(backend_, "grad_norm");
   SMAT_ASSIGN_OR_RETURN(st.grad_norm, GlobalGradNorm(optimizer_->params(), &backend_));
   if (!std::isfinite(st.grad_norm)) {
     return MarkNonFiniteLoss(absl::InternalError(absl::StrFormat(
@@ -224,6 +247,7 @@ absl::StatusOr<StepStats> Trainer::Step() {
         step + 1, st.grad_norm, st.loss)));
   }
   st.learning_rate = ScheduledLearningRate(config_.optimizer(), step);
+  phase.emplace(backend_, "optimizer");
   SMAT_RETURN_IF_ERROR(
       optimizer_->Step(static_cast<float>(st.learning_rate),
                        ClipScale(st.grad_norm, config_.optimizer().grad_clip())));
@@ -235,7 +259,9 @@ absl::StatusOr<StepStats> Trainer::Step() {
   st.tokens = pg_.dp() * B * T;
   const SmatSpan span = model_->span();
   st.tokens_local = B * (span.length() > 0 ? span.length() : T);
+  phase.reset();
   st.comm = comm_.totals();
+  st.memory_peak_bytes = backend_.allocator().stats().peak_bytes;
   st.step_seconds = Now() - t_start;
   return st;
 }
@@ -360,6 +386,7 @@ absl::Status Trainer::Run(const TrainHooks& hooks) {
   // page faults) is left out of the rate once a later one exists.
   double window_seconds = 0, window_tokens = 0;
   int64_t window_steps = 0;
+  int64_t window_peak = 0;  // most backend memory in use in a step since the last line
   double steady_seconds = 0;
   int64_t steady_steps = 0;
   const int64_t first = state_.step;
@@ -377,6 +404,9 @@ absl::Status Trainer::Run(const TrainHooks& hooks) {
     window_seconds += st.step_seconds;
     window_tokens += static_cast<double>(st.tokens);
     ++window_steps;
+    window_peak = std::max(window_peak, st.memory_peak_bytes);
+    // Phase times leave out the first step (allocations, cuBLAS set-up).
+    if (st.step == first + 1) GlobalPhaseTimes().Reset();
     if (st.step > first + 1) {
       steady_seconds += st.step_seconds;
       ++steady_steps;
@@ -393,15 +423,20 @@ absl::Status Trainer::Run(const TrainHooks& hooks) {
       line.seconds_per_step = window_seconds / window_steps;
       const double per_step = steady_steps > 0 ? steady_seconds / steady_steps : st.step_seconds;
       line.eta_seconds = per_step * static_cast<double>(total - st.step);
-      line.memory_bytes = ResidentBytes();
+      line.memory_bytes = window_peak;
       line.activation_bytes = st.activation_bytes;
       progress->Step(line);
       window_seconds = window_tokens = 0;
       window_steps = 0;
+      window_peak = 0;
     }
     if (run.eval_every() > 0 && (st.step % run.eval_every() == 0 || st.step == total)) {
       SMAT_RETURN_IF_ERROR(evaluate());
     }
+  }
+  if (progress != nullptr) {
+    const std::string phases = GlobalPhaseTimes().Report(steady_steps);
+    if (!phases.empty()) progress->Line(phases.substr(0, phases.size() - 1));
   }
   return absl::OkStatus();
 }

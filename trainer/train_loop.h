@@ -103,6 +103,9 @@ struct StepStats {
   // (parallel/comm_stats.h); one-rank communicators count nothing.
   CommStats comm;
   int64_t activation_bytes = 0;
+  // Most bytes the backend's allocator had in use at once during the step
+  // (Allocator::stats: device memory on a GPU, host memory on the CPU).
+  int64_t memory_peak_bytes = 0;
 };
 
 // One evaluation over the fixed evaluation set.
@@ -175,7 +178,10 @@ class Trainer {
 
   TrainConfig config_;
   ProcessGroup& pg_;
-  Backend& backend_;
+  // The caching backend over the caller's on a device (declared before the
+  // model so it outlives every tensor of it); null on the CPU.
+  std::unique_ptr<Backend> cached_backend_;
+  Backend& backend_;  // *cached_backend_ or the caller's
   std::unique_ptr<BatchSampler> sampler_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<AdamW> optimizer_;
