@@ -4,6 +4,7 @@
 // random inputs and random upstream gradients (so a wrong transpose or a
 // missing term cannot hide), plus the determinism the trainer relies on.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -337,6 +338,162 @@ TEST_F(ModelKernelsTest, ResidualAddAndSumOfSquares) {
   ASSERT_TRUE(got.ok());
   EXPECT_NEAR(*got, want, 1e-12 * want);  // double accumulation of exact fp32 squares
   EXPECT_GT(MaxAbs(a), 0);
+}
+
+// bf16 bits of f by the definition: the nearer of the two bf16 neighbours of
+// f (truncation and the next value up in magnitude), the even one on a tie;
+// compared in double, where both differences are exact.
+uint16_t Bf16Reference(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t lo = static_cast<uint16_t>(u >> 16), hi = static_cast<uint16_t>(lo + 1);
+  auto value = [](uint16_t b) {
+    const uint32_t v = static_cast<uint32_t>(b) << 16;
+    float x;
+    std::memcpy(&x, &v, 4);
+    return double{x};
+  };
+  // hi of the largest finite magnitude is infinity: value() handles it.
+  const double dlo = std::fabs(double{f} - value(lo)), dhi = std::fabs(value(hi) - double{f});
+  if (dlo < dhi) return lo;
+  if (dhi < dlo) return hi;
+  return (lo & 1u) == 0 ? lo : hi;
+}
+
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+TEST_F(ModelKernelsTest, CastRoundsToNearestEvenAndKeepsNaN) {
+  // Hand-picked cases: exact, just below / above / at the halfway point (ties
+  // go to the even mantissa, both directions), overflow to infinity, signed
+  // zero, infinities, and NaNs whose payload sits only in the low 16 bits
+  // (plain truncation or rounding would turn them into infinity).
+  const std::vector<std::pair<uint32_t, uint16_t>> cases = {
+      {0x3f800000u, 0x3f80u},  // 1
+      {0x3f807fffu, 0x3f80u},  // below half: down
+      {0x3f808000u, 0x3f80u},  // tie, 0x3f80 even: down
+      {0x3f808001u, 0x3f81u},  // above half: up
+      {0x3f818000u, 0x3f82u},  // tie, 0x3f81 odd: up to even
+      {0xbf818000u, 0xbf82u},  // the same, negative
+      {0x7f7fffffu, 0x7f80u},  // largest float rounds to infinity
+      {0x80000000u, 0x8000u},  // -0
+      {0x7f800000u, 0x7f80u},  // +inf
+      {0xff800000u, 0xff80u},  // -inf
+      {0x00000001u, 0x0000u},  // smallest subnormal: rounds to +0
+      {0x7fc00000u, 0x7fc0u},  // quiet NaN
+      {0x7f800001u, 0x7fc0u},  // signalling NaN, payload in the low bits only
+      {0xff800001u, 0xffc0u},  // negative NaN
+  };
+  const int64_t n = static_cast<int64_t>(cases.size()) + 1000;
+  Tensor src = *Tensor::Empty({n}, DType::kF32);
+  for (size_t i = 0; i < cases.size(); ++i) src.data<float>()[i] = FromBits(cases[i].first);
+  // Random values over many binades, normal and subnormal.
+  Tensor noise = Randn({1000}, 30);
+  for (int64_t i = 0; i < 1000; ++i) {
+    src.data<float>()[cases.size() + i] =
+        std::ldexp(noise.data<float>()[i], static_cast<int>(i % 300) - 150);
+  }
+  Tensor dst = *Tensor::Empty({n}, DType::kBF16);
+  ASSERT_TRUE(mk_->Cast(src, dst).ok());
+  const uint16_t* b = static_cast<const uint16_t*>(dst.raw());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(b[i], cases[i].second) << "case " << i << " input 0x" << std::hex << cases[i].first;
+  }
+  int nonzero = 0;
+  for (int64_t i = static_cast<int64_t>(cases.size()); i < n; ++i) {
+    EXPECT_EQ(b[i], Bf16Reference(src.data<float>()[i])) << "element " << i;
+    nonzero += (b[i] & 0x7fffu) != 0;
+  }
+  EXPECT_GT(nonzero, 500) << "the random inputs should mostly stay nonzero in bf16";
+
+  // bf16 -> fp32 is exact (the bits shifted up), into a reshaped destination.
+  Tensor back = *Tensor::Empty({n / 2, 2}, DType::kF32);
+  ASSERT_EQ(n % 2, 0);
+  ASSERT_TRUE(mk_->Cast(dst, back).ok());
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &back.data<float>()[i], 4);
+    EXPECT_EQ(u, static_cast<uint32_t>(b[i]) << 16) << "element " << i;
+  }
+  // Same dtype: a copy.
+  Tensor copy = *Tensor::Empty({n}, DType::kF32);
+  ASSERT_TRUE(mk_->Cast(src, copy).ok());
+  EXPECT_EQ(std::memcmp(copy.raw(), src.raw(), src.nbytes()), 0);
+  // Element counts must match.
+  Tensor short_dst = *Tensor::Empty({n - 1}, DType::kBF16);
+  EXPECT_EQ(mk_->Cast(src, short_dst).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The loop of trainer/optimizer.cc (AdamW::Step), expression for expression.
+void OptimizerLoop(float* w, const float* g, float* m, float* v, int64_t n, float grad_scale,
+                   float fb1, float one_minus_b1, float fb2, float one_minus_b2, float eps,
+                   float step_size, float inv_sqrt_bc2, float decay) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float gk = g[k] * grad_scale;
+    m[k] = fb1 * m[k] + one_minus_b1 * gk;
+    v[k] = fb2 * v[k] + one_minus_b2 * gk * gk;
+    const float denom = std::sqrt(v[k]) * inv_sqrt_bc2 + eps;
+    w[k] = w[k] * decay - step_size * m[k] / denom;
+  }
+}
+
+TEST_F(ModelKernelsTest, AdamWUpdateMatchesDoubleReferenceAndOptimizerBits) {
+  const int64_t n = 1031;
+  Tensor w = Randn({n}, 40), m = Zeros({n}), v = Zeros({n});
+  Tensor w_loop = Randn({n}, 40), m_loop = Zeros({n}), v_loop = Zeros({n});
+  const double lr = 3e-3, b1 = 0.9, b2 = 0.95, wd = 0.1;
+  for (int t = 1; t <= 3; ++t) {
+    SCOPED_TRACE(t);
+    Tensor g = Randn({n}, 40 + t, 0.5f);
+    ModelKernels::AdamWScalars s;
+    s.grad_scale = t == 2 ? 0.25f : 1.f;  // a clipped step
+    s.beta1 = static_cast<float>(b1);
+    s.one_minus_beta1 = static_cast<float>(1.0 - b1);
+    s.beta2 = static_cast<float>(b2);
+    s.one_minus_beta2 = static_cast<float>(1.0 - b2);
+    s.eps = 1e-8f;
+    s.step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
+    s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(b2, t)));
+    s.decay = static_cast<float>(1.0 - lr * wd);
+    const Vec w0 = ToVec(w), m0 = ToVec(m), v0 = ToVec(v);
+    ASSERT_TRUE(mk_->AdamWUpdate(w, g, m, v, s).ok());
+    // Double reference from the same fp32 inputs and scalars. A few fp32
+    // roundings (unit 6e-8 each) separate the kernel from it, relative to the
+    // magnitudes of the terms (m's two terms may cancel): m within 3 units of
+    // its terms, v (no cancellation) within 4 of itself, the step within 6
+    // units of itself plus m's error carried through, w within 2 units of its
+    // terms plus the step's error.
+    constexpr double u = 6e-8;
+    for (int64_t k = 0; k < n; ++k) {
+      const double gk = double{g.data<float>()[k]} * s.grad_scale;
+      const double m_terms = std::fabs(double{s.beta1} * m0[k]) +
+                             std::fabs(double{s.one_minus_beta1} * gk);
+      const double mk = double{s.beta1} * m0[k] + double{s.one_minus_beta1} * gk;
+      const double vk = double{s.beta2} * v0[k] + double{s.one_minus_beta2} * gk * gk;
+      const double denom = std::sqrt(vk) * s.inv_sqrt_bc2 + s.eps;
+      const double step = double{s.step_size} * mk / denom;
+      const double wk = w0[k] * s.decay - step;
+      const double m_tol = 3 * u * m_terms;
+      const double step_tol = 6 * u * std::fabs(step) + s.step_size * m_tol / denom;
+      ASSERT_NEAR(m.data<float>()[k], mk, m_tol) << "m " << k;
+      ASSERT_NEAR(v.data<float>()[k], vk, 4 * u * vk) << "v " << k;
+      ASSERT_NEAR(w.data<float>()[k], wk,
+                  2 * u * (std::fabs(w0[k] * s.decay) + std::fabs(step)) + step_tol)
+          << "w " << k;
+    }
+    OptimizerLoop(w_loop.data<float>(), g.data<float>(), m_loop.data<float>(),
+                  v_loop.data<float>(), n, s.grad_scale, s.beta1, s.one_minus_beta1, s.beta2,
+                  s.one_minus_beta2, s.eps, s.step_size, s.inv_sqrt_bc2, s.decay);
+    EXPECT_EQ(std::memcmp(w.raw(), w_loop.raw(), w.nbytes()), 0) << "value bits";
+    EXPECT_EQ(std::memcmp(m.raw(), m_loop.raw(), m.nbytes()), 0) << "m bits";
+    EXPECT_EQ(std::memcmp(v.raw(), v_loop.raw(), v.nbytes()), 0) << "v bits";
+  }
+  EXPECT_GT(MaxAbs(m), 0);
+  Tensor bad = Zeros({n + 1});
+  EXPECT_EQ(mk_->AdamWUpdate(w, bad, m, v, {}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
