@@ -1,0 +1,720 @@
+// The CUDA model kernels (kernels/cuda/model_kernels_cuda.h) against the CPU
+// implementation, the reference (kernels/cpu/model_kernels_cpu.cc), on random
+// inputs at odd sizes (rows 1031, widths 389 and 1037, r = 61, V = 259 and
+// 50257, chunks that do not divide the rows, rows with weight 0), outputs
+// poisoned with NaN first so an unwritten element fails, parameter gradients
+// that start non-zero (accumulation), the aliasing the interface allows, bad
+// ids and targets, two runs bitwise equal; then the caching allocator; then a
+// timing printout at the trainer's shapes.
+//
+// Comparisons. "Bitwise" where the kernel performs the CPU's fp32 operations
+// in the CPU's order (embedding, residual add, short convolution outputs and
+// input gradients, Cast, AdamW). "Close" elsewhere: within 1e-5 of the CPU
+// value relative to the element, plus 1e-6 of the tensor's largest magnitude
+// for elements that are differences of larger terms (the GPU sums in another
+// fixed order, and its expf / log1pf differ from glibc's by an ulp); the
+// parameter gradients summed over 1031 rows get 1e-5 of the largest magnitude.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/model_kernels.h"
+
+namespace smat {
+namespace gpu_test {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+class ModelKernelsGpuTest : public GpuTest {
+ protected:
+  void SetUp() override {
+    GpuTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    auto g = gpu_->model();
+    ASSERT_TRUE(g.ok()) << g.status();
+    gmk_ = *g;
+    auto c = cpu_->model();
+    ASSERT_TRUE(c.ok()) << c.status();
+    cmk_ = *c;
+  }
+
+  // Host fp32 tensor of uniform values in [-scale, scale].
+  static Tensor Random(const Shape& shape, uint32_t seed, float scale = 1.f) {
+    std::vector<float> v = RandomUniform(NumElements(shape), seed);
+    for (float& x : v) x *= scale;
+    return HostTensor(shape, DType::kF32, v);
+  }
+  static Tensor Ids(int64_t n, int64_t V, uint32_t seed) {
+    Tensor t = Tensor::Empty({n}, DType::kI32).value();
+    std::mt19937 rng(seed);
+    // Skewed: low ids repeat often (long runs in the scatter-add), as bytes do.
+    std::uniform_int_distribution<int64_t> d(0, V - 1), small(0, 7);
+    for (int64_t i = 0; i < n; ++i) t.data<int32_t>()[i] = static_cast<int32_t>(i % 3 ? d(rng) : small(rng));
+    return t;
+  }
+  Tensor Dev(const Tensor& host) { return ToDevice(*gpu_, host).value(); }
+  Tensor Host(const Tensor& dev) { return ToHost(*gpu_, dev).value(); }
+  // A device tensor filled with NaN (or another value), ready to be written.
+  Tensor Poisoned(const Shape& shape, double value = kNaN) {
+    Tensor t = Tensor::Empty(shape, DType::kF32, gpu_->allocator()).value();
+    SMAT_CHECK(gpu_->Fill(t, value).ok());
+    return t;
+  }
+  static Tensor Clone(const Tensor& host) {
+    Tensor t = Tensor::Empty(host.shape(), host.dtype()).value();
+    std::memcpy(t.raw(), host.raw(), host.nbytes());
+    return t;
+  }
+
+  ModelKernels* gmk_ = nullptr;
+  ModelKernels* cmk_ = nullptr;
+};
+
+double MaxAbs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(double{t.data<float>()[i]}));
+  return m;
+}
+
+// got (a host copy of the GPU result) equals want bit for bit.
+void ExpectBitwise(const Tensor& got, const Tensor& want, const char* what) {
+  ASSERT_EQ(got.nbytes(), want.nbytes()) << what;
+  ASSERT_GT(got.numel(), 0) << what;
+  if (want.dtype() == DType::kF32) {
+    ASSERT_GT(MaxAbs(want), 0) << what << ": the reference is all zero, the test proves nothing";
+  }
+  const uint8_t* g = static_cast<const uint8_t*>(got.raw());
+  const uint8_t* w = static_cast<const uint8_t*>(want.raw());
+  if (std::memcmp(g, w, got.nbytes()) == 0) return;
+  const size_t es = DTypeSize(got.dtype());
+  for (size_t i = 0; i < got.nbytes(); i += es) {
+    if (std::memcmp(g + i, w + i, es) != 0) {
+      if (got.dtype() == DType::kF32) {
+        FAIL() << what << ": element " << i / es << " is " << got.data<float>()[i / es]
+               << ", CPU " << want.data<float>()[i / es];
+      }
+      FAIL() << what << ": element " << i / es << " differs";
+    }
+  }
+}
+
+// |got - want| <= rtol |want| + atol_frac max|want| for every element (NaN fails).
+void ExpectClose(const Tensor& got, const Tensor& want, double rtol, double atol_frac,
+                 const char* what) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  const double scale = MaxAbs(want);
+  ASSERT_GT(scale, 0) << what << ": the reference is all zero, the test proves nothing";
+  const float* g = got.data<float>();
+  const float* w = want.data<float>();
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double tol = rtol * std::fabs(double{w[i]}) + atol_frac * scale;
+    ASSERT_TRUE(std::fabs(double{g[i]} - w[i]) <= tol)
+        << what << ": element " << i << " is " << g[i] << ", CPU " << w[i] << " (tolerance "
+        << tol << ")";
+  }
+}
+
+void ExpectSameBits(const Tensor& a, const Tensor& b, const char* what) {
+  ASSERT_EQ(a.nbytes(), b.nbytes());
+  EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << what << ": two runs differ";
+}
+
+// ------------------------------------------------------------------ element-wise
+
+TEST_F(ModelKernelsGpuTest, ElementwiseOpsMatchCpu) {
+  const int64_t N = 1031, F = 1037;
+  const Tensor a = Random({N, F}, 1, 4.f), b = Random({N, F}, 2, 2.f), dy = Random({N, F}, 3);
+  const Tensor da = Dev(a), db = Dev(b), ddy = Dev(dy);
+  // SwiGLU forward / backward: close (expf).
+  {
+    Tensor y = *Tensor::Empty({N, F}, DType::kF32), dg = Clone(y), du = Clone(y);
+    ASSERT_TRUE(cmk_->SwiGluForward(a, b, y).ok());
+    ASSERT_TRUE(cmk_->SwiGluBackward(a, b, dy, dg, du).ok());
+    Tensor gy = Poisoned({N, F}), gdg = Poisoned({N, F}), gdu = Poisoned({N, F});
+    SMAT_ASSERT_OK(gmk_->SwiGluForward(da, db, gy));
+    SMAT_ASSERT_OK(gmk_->SwiGluBackward(da, db, ddy, gdg, gdu));
+    ExpectClose(Host(gy), y, 1e-5, 1e-6, "SwiGluForward y");
+    ExpectClose(Host(gdg), dg, 1e-5, 1e-6, "SwiGluBackward d_gate");
+    ExpectClose(Host(gdu), du, 1e-5, 1e-6, "SwiGluBackward d_up");
+    // d_gate may alias dy (the CPU reads dy first; so does the kernel).
+    Tensor alias = Dev(dy);
+    Tensor gdu2 = Poisoned({N, F});
+    SMAT_ASSERT_OK(gmk_->SwiGluBackward(da, db, alias, alias, gdu2));
+    ExpectSameBits(Host(alias), Host(gdg), "SwiGluBackward with d_gate aliasing dy");
+    // Repeatable.
+    Tensor gy2 = Poisoned({N, F});
+    SMAT_ASSERT_OK(gmk_->SwiGluForward(da, db, gy2));
+    ExpectSameBits(Host(gy2), Host(gy), "SwiGluForward");
+  }
+  // Residual add: bitwise, also in place (out aliases a) and on views that
+  // are not 16-byte aligned (the scalar path).
+  {
+    Tensor out = *Tensor::Empty({N, F}, DType::kF32);
+    ASSERT_TRUE(cmk_->ResidualAdd(a, b, out).ok());
+    Tensor gout = Poisoned({N, F});
+    SMAT_ASSERT_OK(gmk_->ResidualAdd(da, db, gout));
+    ExpectBitwise(Host(gout), out, "ResidualAdd");
+    Tensor inplace = Dev(a);
+    SMAT_ASSERT_OK(gmk_->ResidualAdd(inplace, db, inplace));
+    ExpectBitwise(Host(inplace), out, "ResidualAdd in place");
+    const int64_t m = N * F - 3;
+    Tensor va = da.View(1, {m}), vb = db.View(3, {m}), vout = Poisoned({m + 2}).View(2, {m});
+    SMAT_ASSERT_OK(gmk_->ResidualAdd(va, vb, vout));
+    Tensor hva = Host(va), hvb = Host(vb), want = *Tensor::Empty({m}, DType::kF32);
+    ASSERT_TRUE(cmk_->ResidualAdd(hva, hvb, want).ok());
+    ExpectBitwise(Host(vout), want, "ResidualAdd on unaligned views");
+  }
+  // Softplus and its negation, forward in place (y aliases x) and backward.
+  for (bool negate : {true, false}) {
+    SCOPED_TRACE(negate ? "NegSoftplus" : "Softplus");
+    Tensor y = *Tensor::Empty({N, F}, DType::kF32), dx = Clone(y);
+    Tensor gy = Dev(a), gdx = Poisoned({N, F});
+    if (negate) {
+      ASSERT_TRUE(cmk_->NegSoftplusForward(a, y).ok());
+      ASSERT_TRUE(cmk_->NegSoftplusBackward(a, dy, dx).ok());
+      SMAT_ASSERT_OK(gmk_->NegSoftplusForward(gy, gy));
+      SMAT_ASSERT_OK(gmk_->NegSoftplusBackward(da, ddy, gdx));
+    } else {
+      ASSERT_TRUE(cmk_->SoftplusForward(a, y).ok());
+      ASSERT_TRUE(cmk_->SoftplusBackward(a, dy, dx).ok());
+      SMAT_ASSERT_OK(gmk_->SoftplusForward(gy, gy));
+      SMAT_ASSERT_OK(gmk_->SoftplusBackward(da, ddy, gdx));
+    }
+    ExpectClose(Host(gy), y, 1e-5, 0, "softplus y (in place)");
+    ExpectClose(Host(gdx), dx, 1e-5, 0, "softplus dx");
+    // dx may alias dy.
+    Tensor alias = Dev(dy);
+    if (negate) {
+      SMAT_ASSERT_OK(gmk_->NegSoftplusBackward(da, alias, alias));
+    } else {
+      SMAT_ASSERT_OK(gmk_->SoftplusBackward(da, alias, alias));
+    }
+    ExpectSameBits(Host(alias), Host(gdx), "softplus backward with dx aliasing dy");
+  }
+  // Shapes are checked and name the operand.
+  Tensor wrong = Poisoned({N, F - 1});
+  const absl::Status s = gmk_->SwiGluForward(da, db, wrong);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("SwiGluForward: y"), std::string::npos) << s;
+  const absl::Status host_input = gmk_->ResidualAdd(a, db, wrong);
+  EXPECT_EQ(host_input.code(), absl::StatusCode::kInvalidArgument) << host_input;
+}
+
+TEST_F(ModelKernelsGpuTest, GatesAndExpFeatureMapMatchCpu) {
+  const int64_t N = 1031, H = 3, r = 61;
+  const Tensor x = Random({N, H, r}, 4, 3.f), g = Random({N, H}, 5, 4.f), dy = Random({N, H, r}, 6);
+  const Tensor dx_ = Dev(x), dg_ = Dev(g), ddy = Dev(dy);
+  {
+    Tensor y = *Tensor::Empty({N, H, r}, DType::kF32), dx = Clone(y);
+    Tensor dg = *Tensor::Empty({N, H}, DType::kF32);
+    ASSERT_TRUE(cmk_->SigmoidScaleForward(x, g, y).ok());
+    ASSERT_TRUE(cmk_->SigmoidScaleBackward(x, g, dy, dx, dg).ok());
+    Tensor gy = Dev(x);  // y aliases x
+    SMAT_ASSERT_OK(gmk_->SigmoidScaleForward(gy, dg_, gy));
+    ExpectClose(Host(gy), y, 1e-5, 0, "SigmoidScaleForward y (in place)");
+    Tensor gdx = Poisoned({N, H, r}), gdg = Poisoned({N, H});
+    SMAT_ASSERT_OK(gmk_->SigmoidScaleBackward(dx_, dg_, ddy, gdx, gdg));
+    ExpectClose(Host(gdx), dx, 1e-5, 0, "SigmoidScaleBackward dx");
+    ExpectClose(Host(gdg), dg, 1e-5, 1e-6, "SigmoidScaleBackward dg");
+  }
+  {
+    const Tensor x2 = x.View(0, {N * H, r}), dy2 = dy.View(0, {N * H, r});
+    const Tensor gx2 = dx_.View(0, {N * H, r}), gdy2 = ddy.View(0, {N * H, r});
+    Tensor y = *Tensor::Empty({N * H, r}, DType::kF32), dx = Clone(y);
+    ASSERT_TRUE(cmk_->ExpRowMaxForward(x2, y).ok());
+    ASSERT_TRUE(cmk_->ExpRowMaxBackward(x2, y, dy2, dx).ok());
+    Tensor gy = Poisoned({N * H, r}), gdx = Poisoned({N * H, r});
+    SMAT_ASSERT_OK(gmk_->ExpRowMaxForward(gx2, gy));
+    ExpectClose(Host(gy), y, 1e-5, 0, "ExpRowMaxForward y");
+    // Backward from the CPU's y, so only the backward's own rounding differs.
+    SMAT_ASSERT_OK(gmk_->ExpRowMaxBackward(gx2, Dev(y), gdy2, gdx));
+    ExpectClose(Host(gdx), dx, 1e-5, 1e-6, "ExpRowMaxBackward dx");
+    Tensor gdx2 = Poisoned({N * H, r});
+    SMAT_ASSERT_OK(gmk_->ExpRowMaxBackward(gx2, Dev(y), gdy2, gdx2));
+    ExpectSameBits(Host(gdx2), Host(gdx), "ExpRowMaxBackward");
+  }
+}
+
+// ------------------------------------------------------------------ RMSNorm
+
+TEST_F(ModelKernelsGpuTest, RmsNormMatchesCpuAndAccumulatesWeightGradient) {
+  const int64_t N = 1031, W = 389;
+  const Tensor x = Random({N, W}, 7, 2.f), w = Random({W}, 8), dy = Random({N, W}, 9);
+  const Tensor dw0 = Random({W}, 10);  // a gradient that starts non-zero
+  Tensor y = *Tensor::Empty({N, W}, DType::kF32), rstd = *Tensor::Empty({N}, DType::kF32);
+  Tensor dx = Clone(y), dw = Clone(dw0);
+  ASSERT_TRUE(cmk_->RmsNormForward(x, w, 1e-6f, y, rstd).ok());
+  ASSERT_TRUE(cmk_->RmsNormBackward(x, w, rstd, dy, dx, dw).ok());
+  const Tensor gx = Dev(x), gw = Dev(w), gdyv = Dev(dy);
+  Tensor gy = Poisoned({N, W}), grstd = Poisoned({N});
+  SMAT_ASSERT_OK(gmk_->RmsNormForward(gx, gw, 1e-6f, gy, grstd));
+  // rstd: the same double formula, the sum of squares in another order: the
+  // fp32 results agree to an ulp.
+  ExpectClose(Host(grstd), rstd, 2.4e-7, 0, "RmsNormForward rstd");
+  ExpectClose(Host(gy), y, 4e-7, 0, "RmsNormForward y");
+  Tensor gdx = Poisoned({N, W}), gdw = Dev(dw0);
+  SMAT_ASSERT_OK(gmk_->RmsNormBackward(gx, gw, Dev(rstd), gdyv, gdx, gdw));
+  ExpectClose(Host(gdx), dx, 1e-5, 1e-6, "RmsNormBackward dx");
+  ExpectClose(Host(gdw), dw, 1e-5, 1e-5, "RmsNormBackward d_weight (+=)");
+  // Repeatable, and dx may not alias dy.
+  Tensor gdx2 = Poisoned({N, W}), gdw2 = Dev(dw0);
+  SMAT_ASSERT_OK(gmk_->RmsNormBackward(gx, gw, Dev(rstd), gdyv, gdx2, gdw2));
+  ExpectSameBits(Host(gdx2), Host(gdx), "RmsNormBackward dx");
+  ExpectSameBits(Host(gdw2), Host(gdw), "RmsNormBackward d_weight");
+  Tensor alias = Dev(dy);
+  EXPECT_EQ(gmk_->RmsNormBackward(gx, gw, Dev(rstd), alias, alias, gdw2).code(),
+            absl::StatusCode::kInvalidArgument);
+  Tensor bad_w = Poisoned({W + 1});
+  const absl::Status s = gmk_->RmsNormForward(gx, bad_w, 1e-6f, gy, grstd);
+  EXPECT_NE(std::string(s.message()).find("RmsNormForward: weight"), std::string::npos) << s;
+}
+
+// ------------------------------------------------------------------ short convolution
+
+TEST_F(ModelKernelsGpuTest, ShortConvMatchesCpu) {
+  constexpr int64_t K = kShortConvWidth;
+  const int64_t nb = 3, L = 347, C = 389;
+  const Tensor x = Random({nb, L, C}, 11), prefix = Random({nb, K - 1, C}, 12);
+  const Tensor w = Random({K, C}, 13), dy = Random({nb, L, C}, 14), dw0 = Random({K, C}, 15);
+  Tensor y = *Tensor::Empty({nb, L, C}, DType::kF32), dx = Clone(y);
+  Tensor dp = *Tensor::Empty({nb, K - 1, C}, DType::kF32), dw = Clone(dw0);
+  ASSERT_TRUE(cmk_->ShortConvForward(x, prefix, w, y).ok());
+  ASSERT_TRUE(cmk_->ShortConvBackward(x, prefix, w, dy, dx, dp, dw).ok());
+  const Tensor gx = Dev(x), gp = Dev(prefix), gw = Dev(w), gdyv = Dev(dy);
+  Tensor gy = Poisoned({nb, L, C});
+  SMAT_ASSERT_OK(gmk_->ShortConvForward(gx, gp, gw, gy));
+  ExpectBitwise(Host(gy), y, "ShortConvForward y");
+  Tensor gdx = Poisoned({nb, L, C}), gdp = Poisoned({nb, K - 1, C}), gdw = Dev(dw0);
+  SMAT_ASSERT_OK(gmk_->ShortConvBackward(gx, gp, gw, gdyv, gdx, gdp, gdw));
+  ExpectBitwise(Host(gdx), dx, "ShortConvBackward dx");
+  ExpectBitwise(Host(gdp), dp, "ShortConvBackward d_prefix");
+  // d_w sums nb * L = 1041 rows in two stages instead of one running sum.
+  ExpectClose(Host(gdw), dw, 1e-5, 1e-5, "ShortConvBackward d_w (+=)");
+  Tensor gdw2 = Dev(dw0), gdx2 = Poisoned({nb, L, C}), gdp2 = Poisoned({nb, K - 1, C});
+  SMAT_ASSERT_OK(gmk_->ShortConvBackward(gx, gp, gw, gdyv, gdx2, gdp2, gdw2));
+  ExpectSameBits(Host(gdw2), Host(gdw), "ShortConvBackward d_w");
+}
+
+// ------------------------------------------------------------------ embedding
+
+TEST_F(ModelKernelsGpuTest, EmbeddingMatchesCpuBitwise) {
+  const int64_t V = 259, N = 1031;
+  for (int64_t W : {int64_t{389}, int64_t{384}}) {  // scalar and float4 gathers
+    SCOPED_TRACE(W);
+    const Tensor table = Random({V, W}, 16), ids = Ids(N, V, 17), d_out = Random({N, W}, 18);
+    const Tensor d_table0 = Random({V, W}, 19);  // accumulates onto existing values
+    Tensor out = *Tensor::Empty({N, W}, DType::kF32), d_table = Clone(d_table0);
+    ASSERT_TRUE(cmk_->EmbeddingForward(table, ids, out).ok());
+    ASSERT_TRUE(cmk_->EmbeddingBackward(ids, d_out, d_table).ok());
+    const Tensor gtable = Dev(table), gids = Dev(ids), gd_out = Dev(d_out);
+    Tensor gout = Poisoned({N, W});
+    SMAT_ASSERT_OK(gmk_->EmbeddingForward(gtable, gids, gout));
+    ExpectBitwise(Host(gout), out, "EmbeddingForward");
+    // Every id's rows are added in increasing row order from the existing
+    // value, as the CPU does: the same bits.
+    Tensor gd_table = Dev(d_table0);
+    SMAT_ASSERT_OK(gmk_->EmbeddingBackward(gids, gd_out, gd_table));
+    ExpectBitwise(Host(gd_table), d_table, "EmbeddingBackward");
+  }
+  // Ids outside [0, V): InvalidArgument with the CPU's message, and the
+  // gradient is left as it was.
+  const int64_t W = 389;
+  const Tensor table = Random({V, W}, 16), d_out = Random({N, W}, 18);
+  for (int32_t bad : {int32_t{-1}, static_cast<int32_t>(V)}) {
+    SCOPED_TRACE(bad);
+    Tensor ids = Ids(N, V, 17);
+    ids.data<int32_t>()[700] = bad;
+    ids.data<int32_t>()[900] = bad;
+    Tensor out = *Tensor::Empty({N, W}, DType::kF32), d_table = Random({V, W}, 19);
+    const absl::Status cpu_f = cmk_->EmbeddingForward(table, ids, out);
+    const absl::Status cpu_b = cmk_->EmbeddingBackward(ids, d_out, d_table);
+    Tensor gout = Poisoned({N, W});
+    const Tensor d_table0 = Random({V, W}, 19);
+    Tensor gd_table = Dev(d_table0);
+    const absl::Status gpu_f = gmk_->EmbeddingForward(Dev(table), Dev(ids), gout);
+    const absl::Status gpu_b = gmk_->EmbeddingBackward(Dev(ids), Dev(d_out), gd_table);
+    EXPECT_EQ(gpu_f.code(), absl::StatusCode::kInvalidArgument) << gpu_f;
+    EXPECT_EQ(gpu_b.code(), absl::StatusCode::kInvalidArgument) << gpu_b;
+    EXPECT_EQ(gpu_f.message(), cpu_f.message());
+    EXPECT_EQ(gpu_b.message(), cpu_b.message());
+    EXPECT_NE(std::string(gpu_f.message()).find("at row 700"), std::string::npos) << gpu_f;
+    ExpectBitwise(Host(gd_table), d_table0, "d_table after a bad id");
+  }
+}
+
+// ------------------------------------------------------------------ cross-entropy
+
+void CrossEntropyCase(ModelKernelsGpuTest* t, Backend& cpu, Backend& gpu, ModelKernels& cmk,
+                      ModelKernels& gmk, int64_t N, int64_t W, int64_t V, int64_t chunk) {
+  SCOPED_TRACE(testing::Message() << "N " << N << " V " << V << " chunk " << chunk);
+  std::vector<float> hv = RandomUniform(N * W, 20), wv = RandomUniform(V * W, 21);
+  const Tensor h = HostTensor({N, W}, DType::kF32, hv);
+  for (float& x : wv) x *= 0.2f;
+  const Tensor wh = HostTensor({V, W}, DType::kF32, wv);
+  Tensor tg = Tensor::Empty({N}, DType::kI32).value();
+  std::vector<float> wt(N);
+  std::mt19937 rng(22);
+  std::uniform_int_distribution<int64_t> d(0, V - 1);
+  for (int64_t i = 0; i < N; ++i) {
+    tg.data<int32_t>()[i] = static_cast<int32_t>(d(rng));
+    wt[i] = i % 7 == 3 ? 0.f : 0.5f + static_cast<float>(i % 5) * 0.25f;
+  }
+  tg.data<int32_t>()[3] = -5;  // weight 0: may hold any target
+  const Tensor weights = HostTensor({N}, DType::kF32, wt);
+  // d_w_head starts non-zero but small, so the accumulated gradient (O(1) for
+  // the targets' rows) dominates what is compared.
+  std::vector<float> dw0v = RandomUniform(V * W, 23);
+  for (float& x : dw0v) x *= 0.01f;
+  const Tensor dw0 = HostTensor({V, W}, DType::kF32, dw0v);
+  const float scale = 0.5f;
+
+  Tensor lse = Tensor::Empty({N}, DType::kF32).value();
+  double loss = 0;
+  ASSERT_TRUE(cmk.CrossEntropyForward(cpu, h, wh, tg, weights, chunk, lse, &loss).ok());
+  Tensor dh = Tensor::Empty({N, W}, DType::kF32).value();
+  Tensor dw = Tensor::Empty({V, W}, DType::kF32).value();
+  std::memcpy(dw.raw(), dw0.raw(), dw.nbytes());
+  ASSERT_TRUE(cmk.CrossEntropyBackward(cpu, h, wh, tg, weights, lse, scale, chunk, dh, dw).ok());
+
+  const Tensor gh = ToDevice(gpu, h).value(), gwh = ToDevice(gpu, wh).value();
+  const Tensor gtg = ToDevice(gpu, tg).value(), gwt = ToDevice(gpu, weights).value();
+  auto poisoned = [&](const Shape& shape) {
+    Tensor p = Tensor::Empty(shape, DType::kF32, gpu.allocator()).value();
+    SMAT_CHECK(gpu.Fill(p, kNaN).ok());
+    return p;
+  };
+  Tensor glse = poisoned({N});
+  double gloss = kNaN;
+  SMAT_ASSERT_OK(gmk.CrossEntropyForward(gpu, gh, gwh, gtg, gwt, chunk, glse, &gloss));
+  // Logits from cuBLAS vs CBLAS (W-term fp32 dot products, relative ~1e-6),
+  // lse and the loss terms in double: 1e-5 relative.
+  EXPECT_NEAR(gloss, loss, 1e-5 * std::fabs(loss));
+  ExpectClose(ToHost(gpu, glse).value(), lse, 1e-5, 1e-6, "lse");
+  Tensor gdh = poisoned({N, W}), gdw = ToDevice(gpu, dw0).value();
+  SMAT_ASSERT_OK(gmk.CrossEntropyBackward(gpu, gh, gwh, gtg, gwt, glse, scale, chunk, gdh, gdw));
+  const Tensor hdh = ToHost(gpu, gdh).value(), hdw = ToHost(gpu, gdw).value();
+  ExpectClose(hdh, dh, 1e-5, 1e-5, "dh");
+  ExpectClose(hdw, dw, 1e-5, 1e-5, "d_w_head (+=)");
+  for (int64_t k = 0; k < W; ++k) ASSERT_EQ(hdh.data<float>()[3 * W + k], 0.f) << "masked row";
+  // Repeatable.
+  Tensor glse2 = poisoned({N});
+  double gloss2 = kNaN;
+  SMAT_ASSERT_OK(gmk.CrossEntropyForward(gpu, gh, gwh, gtg, gwt, chunk, glse2, &gloss2));
+  EXPECT_EQ(std::memcmp(&gloss, &gloss2, sizeof(double)), 0) << "loss differs between runs";
+  Tensor gdh2 = poisoned({N, W}), gdw2 = ToDevice(gpu, dw0).value();
+  SMAT_ASSERT_OK(
+      gmk.CrossEntropyBackward(gpu, gh, gwh, gtg, gwt, glse, scale, chunk, gdh2, gdw2));
+  ExpectSameBits(ToHost(gpu, gdh2).value(), hdh, "dh");
+  ExpectSameBits(ToHost(gpu, gdw2).value(), hdw, "d_w_head");
+  // A counted row with a target outside [0, V): the CPU's InvalidArgument.
+  Tensor bad = Tensor::Empty({N}, DType::kI32).value();
+  std::memcpy(bad.raw(), tg.raw(), tg.nbytes());
+  bad.data<int32_t>()[N - 2] = static_cast<int32_t>(V);
+  Tensor lse_c = Tensor::Empty({N}, DType::kF32).value();
+  double l = 0;
+  const absl::Status cs = cmk.CrossEntropyForward(cpu, h, wh, bad, weights, chunk, lse_c, &l);
+  const absl::Status gs =
+      gmk.CrossEntropyForward(gpu, gh, gwh, ToDevice(gpu, bad).value(), gwt, chunk, glse2, &l);
+  EXPECT_EQ(gs.code(), absl::StatusCode::kInvalidArgument) << gs;
+  EXPECT_EQ(gs.message(), cs.message());
+  (void)t;
+}
+
+TEST_F(ModelKernelsGpuTest, CrossEntropyMatchesCpuByteVocabulary) {
+  CrossEntropyCase(this, *cpu_, *gpu_, *cmk_, *gmk_, 1031, 389, 259, 300);
+  CrossEntropyCase(this, *cpu_, *gpu_, *cmk_, *gmk_, 1031, 389, 259, 4096);
+}
+
+TEST_F(ModelKernelsGpuTest, CrossEntropyMatchesCpuLargeVocabulary) {
+  CrossEntropyCase(this, *cpu_, *gpu_, *cmk_, *gmk_, 517, 389, 50257, 200);
+}
+
+// ------------------------------------------------------------------ Cast, AdamW, norms
+
+TEST_F(ModelKernelsGpuTest, CastMatchesCpuBitwise) {
+  const int64_t n = 1031 * 389;
+  Tensor src = Random({n}, 24, 100.f);
+  const uint32_t specials[] = {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0x80000000u, 0x7f800000u,
+                               0x7fc00000u, 0x7f800001u, 0xff800001u, 0x00000001u};
+  for (size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) {
+    std::memcpy(&src.data<float>()[i * 101], &specials[i], 4);
+  }
+  Tensor bf = *Tensor::Empty({n}, DType::kBF16), back = *Tensor::Empty({n}, DType::kF32);
+  ASSERT_TRUE(cmk_->Cast(src, bf).ok());
+  ASSERT_TRUE(cmk_->Cast(bf, back).ok());
+  const Tensor gsrc = Dev(src);
+  Tensor gbf = Tensor::Empty({n}, DType::kBF16, gpu_->allocator()).value();
+  SMAT_ASSERT_OK(gpu_->Fill(gbf, kNaN));
+  SMAT_ASSERT_OK(gmk_->Cast(gsrc, gbf));
+  ExpectBitwise(Host(gbf), bf, "Cast fp32 -> bf16");
+  Tensor gback = Poisoned({n / 389, 389});  // a reshape
+  SMAT_ASSERT_OK(gmk_->Cast(gbf, gback));
+  ExpectBitwise(Host(gback), back, "Cast bf16 -> fp32");
+  // Unaligned views (the scalar path).
+  const int64_t m = n - 5;
+  Tensor vbf = Tensor::Empty({m + 1}, DType::kBF16, gpu_->allocator()).value().View(1, {m});
+  SMAT_ASSERT_OK(gmk_->Cast(gsrc.View(3, {m}), vbf));
+  Tensor want = *Tensor::Empty({m}, DType::kBF16);
+  ASSERT_TRUE(cmk_->Cast(src.View(3, {m}), want).ok());
+  ExpectBitwise(Host(vbf), want, "Cast on unaligned views");
+  Tensor gcopy = Poisoned({n});
+  SMAT_ASSERT_OK(gmk_->Cast(gsrc, gcopy));
+  ExpectBitwise(Host(gcopy), src, "Cast fp32 -> fp32 (a copy)");
+  Tensor wrong = Poisoned({n - 1});
+  EXPECT_EQ(gmk_->Cast(gsrc, wrong).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelKernelsGpuTest, AdamWUpdateMatchesCpuBitwise) {
+  const int64_t n = 1031 * 389 + 3;
+  Tensor w = Random({n}, 25), m = Random({n}, 26, 0.01f), v = Random({n}, 27, 0.01f);
+  for (int64_t i = 0; i < n; ++i) v.data<float>()[i] = std::fabs(v.data<float>()[i]);
+  Tensor gw = Dev(w), gm = Dev(m), gv = Dev(v);
+  // Also on views that start one element in (the scalar path).
+  const int64_t k = n - 1;
+  Tensor vw = Dev(w).View(1, {k}), vm = Dev(m).View(1, {k}), vv = Dev(v).View(1, {k});
+  Tensor cw = w.View(1, {k}), cm = m.View(1, {k}), cv = v.View(1, {k});
+  Tensor cw_full = Clone(w), cm_full = Clone(m), cv_full = Clone(v);
+  for (int t = 1; t <= 3; ++t) {
+    SCOPED_TRACE(t);
+    const Tensor g = Random({n}, 30 + t, 0.5f);
+    ModelKernels::AdamWScalars s;
+    s.grad_scale = t == 2 ? 0.3f : 1.f;
+    s.step_size = static_cast<float>(1e-3 / (1.0 - std::pow(0.9, t)));
+    s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(0.95, t)));
+    s.decay = static_cast<float>(1.0 - 1e-3 * 0.1);
+    ASSERT_TRUE(cmk_->AdamWUpdate(cw_full, g, cm_full, cv_full, s).ok());
+    SMAT_ASSERT_OK(gmk_->AdamWUpdate(gw, Dev(g), gm, gv, s));
+    ExpectBitwise(Host(gw), cw_full, "AdamW value");
+    ExpectBitwise(Host(gm), cm_full, "AdamW m");
+    ExpectBitwise(Host(gv), cv_full, "AdamW v");
+    const Tensor gk = g.View(1, {k});
+    ASSERT_TRUE(cmk_->AdamWUpdate(cw, gk, cm, cv, s).ok());
+    SMAT_ASSERT_OK(gmk_->AdamWUpdate(vw, Dev(g).View(1, {k}), vm, vv, s));
+    ExpectBitwise(Host(vw), Clone(cw), "AdamW value on an unaligned view");
+  }
+}
+
+TEST_F(ModelKernelsGpuTest, SumOfSquaresMatchesCpu) {
+  const std::vector<Tensor> host = {Random({1031, 389}, 40), Random({7}, 41),
+                                    Random({5000003}, 42, 0.1f), Random({389}, 43)};
+  std::vector<Tensor> dev;
+  for (const Tensor& t : host) dev.push_back(Dev(t));
+  auto want = cmk_->SumOfSquares(host);
+  ASSERT_TRUE(want.ok());
+  auto got = gmk_->SumOfSquares(dev);
+  ASSERT_TRUE(got.ok()) << got.status();
+  // Exact fp32 squares summed in double in two different fixed orders.
+  EXPECT_NEAR(*got, *want, 1e-12 * *want);
+  EXPECT_GT(*want, 1000.0);
+  auto again = gmk_->SumOfSquares(dev);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(std::memcmp(&*got, &*again, sizeof(double)), 0);
+  auto empty = gmk_->SumOfSquares({});
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(*empty, 0.0);
+  const absl::Status bad = gmk_->SumOfSquares({dev[0], host[1]}).status();
+  EXPECT_NE(std::string(bad.message()).find("tensor 1"), std::string::npos) << bad;
+}
+
+// ------------------------------------------------------------------ the allocator
+
+TEST_F(ModelKernelsGpuTest, AllocatorCountsBytesAndReusesFreedBlocks) {
+  Allocator& a = gpu_->allocator();
+  const int64_t before = a.stats().in_use_bytes;
+  a.ResetPeak();
+  {
+    Tensor t1 = Tensor::Empty({1000}, DType::kF32, a).value();         // 4000 B
+    Tensor t2 = Tensor::Empty({(3 << 20) + 5}, DType::kU16, a).value();  // 6 MiB + 10
+    EXPECT_EQ(a.stats().in_use_bytes, before + 4000 + (6 << 20) + 10);
+    Tensor t3 = Tensor::Empty({3}, DType::kF32, a).value();
+    EXPECT_EQ(a.stats().in_use_bytes, before + 4000 + (6 << 20) + 10 + 12);
+  }
+  EXPECT_EQ(a.stats().in_use_bytes, before);
+  EXPECT_EQ(a.stats().peak_bytes, before + 4000 + (6 << 20) + 10 + 12);
+
+  // A loop of allocate / use / free reuses the same blocks: no growth. Sizes
+  // no other test uses, so no block cached earlier can stand in.
+  const std::vector<int64_t> sizes = {777001, (1 << 18) + 7, 3001, (50 << 20) + 1};
+  std::set<void*> first;
+  for (int it = 0; it < 40; ++it) {
+    std::vector<Tensor> ts;
+    for (int64_t n : sizes) {
+      ts.push_back(Tensor::Empty({n}, DType::kF32, a).value());
+      SMAT_ASSERT_OK(gpu_->Fill(ts.back(), it));  // kernels queued on the block
+    }
+    for (const Tensor& t : ts) {
+      if (it == 0) {
+        first.insert(t.raw());
+      } else {
+        ASSERT_TRUE(first.count(t.raw())) << "iteration " << it << " got a new block";
+      }
+    }
+  }
+  EXPECT_EQ(first.size(), sizes.size());
+  EXPECT_EQ(a.stats().in_use_bytes, before);
+
+  // Memory freed while another stream still works on it is not handed out
+  // before that work is done: fill a large tensor on a second stream, free it
+  // at once, take a block of the same size on the default stream and fill it
+  // there; the later fill must win everywhere.
+  auto side = gpu_->CreateStream();
+  ASSERT_TRUE(side.ok()) << side.status();
+  const int64_t big = (64 << 20) + 12345;  // ~256 MiB of fp32: the side fill takes a while
+  void* freed = nullptr;
+  {
+    Tensor t = Tensor::Empty({big}, DType::kF32, a).value();
+    freed = t.raw();
+    for (int rep = 0; rep < 8; ++rep) SMAT_ASSERT_OK(gpu_->Fill(t, 1.0, side->get()));
+  }
+  Tensor u = Tensor::Empty({big}, DType::kF32, a).value();
+  SMAT_ASSERT_OK(gpu_->Fill(u, 2.0));
+  const Tensor hu = Host(u);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < big; ++i) wrong += hu.data<float>()[i] != 2.f;
+  EXPECT_EQ(wrong, 0) << "a block was reused while another stream still wrote it";
+  EXPECT_EQ(u.raw(), freed) << "the block of the same size should have been reused";
+}
+
+// ------------------------------------------------------------------ timing printout
+
+// TIMING PRINTOUT at the trainer's shapes (N = 16384 tokens, W = 384,
+// F = 1024, V = 256, cross-entropy chunks of 4096): CUDA-event times and the
+// bytes each kernel must move at least, against the measured device-to-device
+// copy bandwidth. It also checks the outputs against the CPU.
+TEST_F(ModelKernelsGpuTest, TimingAtTrainerShapes) {
+  const int64_t N = 16384, W = 384, F = 1024, V = 256, H = 6, r = 64, chunk = 4096;
+  const int reps = 20;
+  auto start = gpu_->CreateEvent(), stop = gpu_->CreateEvent();
+  ASSERT_TRUE(start.ok() && stop.ok());
+  auto time_ms = [&](const std::function<absl::Status()>& f) -> double {
+    SMAT_CHECK(f().ok());  // warm-up
+    SMAT_CHECK(gpu_->Record(**start, nullptr).ok());
+    for (int i = 0; i < reps; ++i) SMAT_CHECK(f().ok());
+    SMAT_CHECK(gpu_->Record(**stop, nullptr).ok());
+    return *gpu_->ElapsedMs(**start, **stop) / reps;
+  };
+  // Copy bandwidth: read + write of 512 MiB.
+  Tensor c1 = Poisoned({128 << 20}, 1.0), c2 = Poisoned({128 << 20});
+  const double copy_ms = time_ms([&] { return gpu_->Copy(c1, c2); });
+  const double copy_gbs = 2.0 * c1.nbytes() / (copy_ms * 1e6);
+  c1 = Tensor();
+  c2 = Tensor();
+  std::printf("[timing] device-to-device copy: %.3f ms for 2 x %zu MiB = %.0f GB/s\n", copy_ms,
+              static_cast<size_t>(128 << 22 >> 20), copy_gbs);
+  struct Row {
+    std::string op;
+    double ms, bytes;
+  };
+  std::vector<Row> rows;
+  const double fb = 4.0;
+  const Tensor hx = Random({N, W}, 50), hw = Random({W}, 51), hg = Random({N, F}, 52, 3.f);
+  const Tensor hu = Random({N, F}, 53);
+  Tensor x = Dev(hx), w = Dev(hw), y = Poisoned({N, W}), rstd = Poisoned({N});
+  Tensor dy = Dev(Random({N, W}, 54)), dx = Poisoned({N, W}), dw = Poisoned({W}, 0.0);
+  Tensor gate = Dev(hg), up = Dev(hu), act = Poisoned({N, F}), dgate = Poisoned({N, F});
+  Tensor dup = Poisoned({N, F}), dact = Dev(Random({N, F}, 55));
+  rows.push_back({"RmsNormForward", time_ms([&] { return gmk_->RmsNormForward(x, w, 1e-6f, y, rstd); }),
+                  fb * 2 * N * W});
+  rows.push_back({"RmsNormBackward", time_ms([&] { return gmk_->RmsNormBackward(x, w, rstd, dy, dx, dw); }),
+                  fb * 3 * N * W});
+  rows.push_back({"SwiGluForward", time_ms([&] { return gmk_->SwiGluForward(gate, up, act); }),
+                  fb * 3 * N * F});
+  rows.push_back({"SwiGluBackward",
+                  time_ms([&] { return gmk_->SwiGluBackward(gate, up, dact, dgate, dup); }),
+                  fb * 5 * N * F});
+  rows.push_back({"ResidualAdd", time_ms([&] { return gmk_->ResidualAdd(x, dy, dx); }),
+                  fb * 3 * N * W});
+  rows.push_back({"NegSoftplusForward", time_ms([&] { return gmk_->NegSoftplusForward(x, y); }),
+                  fb * 2 * N * W});
+  rows.push_back({"SoftplusBackward", time_ms([&] { return gmk_->SoftplusBackward(x, dy, dx); }),
+                  fb * 3 * N * W});
+  Tensor phi = Dev(Random({N, H, r}, 56)), gsc = Dev(Random({N, H}, 57)), phi2 = Poisoned({N, H, r});
+  Tensor dphi = Dev(Random({N, H, r}, 58)), dphi2 = Poisoned({N, H, r}), dg = Poisoned({N, H});
+  rows.push_back({"SigmoidScaleForward", time_ms([&] { return gmk_->SigmoidScaleForward(phi, gsc, phi2); }),
+                  fb * 2 * N * H * r});
+  rows.push_back({"SigmoidScaleBackward",
+                  time_ms([&] { return gmk_->SigmoidScaleBackward(phi, gsc, dphi, dphi2, dg); }),
+                  fb * 3 * N * H * r});
+  Tensor phim = phi.View(0, {N * H, r}), phim2 = phi2.View(0, {N * H, r});
+  Tensor dphim = dphi.View(0, {N * H, r}), dphim2 = dphi2.View(0, {N * H, r});
+  rows.push_back({"ExpRowMaxForward", time_ms([&] { return gmk_->ExpRowMaxForward(phim, phim2); }),
+                  fb * 2 * N * H * r});
+  rows.push_back({"ExpRowMaxBackward",
+                  time_ms([&] { return gmk_->ExpRowMaxBackward(phim, phim2, dphim, dphim2); }),
+                  fb * 4 * N * H * r});
+  // Short conv over q, k, v of 4 sequences of 4096 tokens: C = 3 W.
+  const int64_t nb = 4, L = N / nb, C = 3 * W;
+  Tensor cx = Dev(Random({nb, L, C}, 59)), cp = Dev(Random({nb, 3, C}, 60));
+  Tensor cw = Dev(Random({4, C}, 61)), cy = Poisoned({nb, L, C}), cdy = Dev(Random({nb, L, C}, 62));
+  Tensor cdx = Poisoned({nb, L, C}), cdp = Poisoned({nb, 3, C}), cdw = Poisoned({4, C}, 0.0);
+  rows.push_back({"ShortConvForward", time_ms([&] { return gmk_->ShortConvForward(cx, cp, cw, cy); }),
+                  fb * 2 * N * C});
+  rows.push_back({"ShortConvBackward",
+                  time_ms([&] { return gmk_->ShortConvBackward(cx, cp, cw, cdy, cdx, cdp, cdw); }),
+                  fb * 4 * N * C});
+  const Tensor hids = Ids(N, V, 63);
+  Tensor table = Dev(Random({V, W}, 64)), ids = Dev(hids), emb = Poisoned({N, W});
+  Tensor dtable = Poisoned({V, W}, 0.0);
+  rows.push_back({"EmbeddingForward", time_ms([&] { return gmk_->EmbeddingForward(table, ids, emb); }),
+                  fb * 2 * N * W});
+  rows.push_back({"EmbeddingBackward",
+                  time_ms([&] { return gmk_->EmbeddingBackward(ids, dy, dtable); }),
+                  fb * N * W});
+  Tensor pw = Dev(Random({N * W}, 65)), pg = Dev(Random({N * W}, 66)), pm = Poisoned({N * W}, 0.0);
+  Tensor pv = Poisoned({N * W}, 0.0), pbf = Tensor::Empty({N * W}, DType::kBF16, gpu_->allocator()).value();
+  ModelKernels::AdamWScalars s;
+  s.step_size = 1e-3f;
+  rows.push_back({"AdamWUpdate (6.3M params)",
+                  time_ms([&] { return gmk_->AdamWUpdate(pw, pg, pm, pv, s); }), fb * 7 * N * W});
+  rows.push_back({"Cast fp32->bf16", time_ms([&] { return gmk_->Cast(pg, pbf); }), 6.0 * N * W});
+  rows.push_back({"SumOfSquares (6.3M)",
+                  time_ms([&]() -> absl::Status { return gmk_->SumOfSquares({pg}).status(); }),
+                  fb * N * W});
+  Tensor h = Dev(Random({N, W}, 67)), wh = Dev(Random({V, W}, 68, 0.2f));
+  Tensor tg = Dev(Ids(N, V, 69)), wt = Poisoned({N}, 1.0), lse = Poisoned({N});
+  Tensor dh = Poisoned({N, W}), dwh = Poisoned({V, W}, 0.0);
+  double loss = 0;
+  rows.push_back({"CrossEntropyForward (V 256, chunk 4096)",
+                  time_ms([&] { return gmk_->CrossEntropyForward(*gpu_, h, wh, tg, wt, chunk, lse, &loss); }),
+                  fb * (N * W + V * W + N)});
+  rows.push_back({"CrossEntropyBackward (V 256, chunk 4096)",
+                  time_ms([&] {
+                    return gmk_->CrossEntropyBackward(*gpu_, h, wh, tg, wt, lse, 1.f / N, chunk, dh, dwh);
+                  }),
+                  fb * (2 * N * W + 2 * V * W + 2 * N)});
+  std::printf("[timing] %-42s %10s %10s %8s\n", "op", "ms", "GB/s", "of copy");
+  for (const Row& row : rows) {
+    const double gbs = row.bytes / (row.ms * 1e6);
+    std::printf("[timing] %-42s %10.4f %10.0f %7.0f%%\n", row.op.c_str(), row.ms, gbs,
+                100.0 * gbs / copy_gbs);
+  }
+  // Correctness at this shape: the last outputs against the CPU.
+  Tensor cy_host = *Tensor::Empty({N, W}, DType::kF32), crs = *Tensor::Empty({N}, DType::kF32);
+  ASSERT_TRUE(cmk_->RmsNormForward(hx, hw, 1e-6f, cy_host, crs).ok());
+  SMAT_ASSERT_OK(gmk_->RmsNormForward(x, w, 1e-6f, y, rstd));
+  ExpectClose(Host(y), cy_host, 4e-7, 0, "RmsNormForward at the trainer's shape");
+  Tensor cact = *Tensor::Empty({N, F}, DType::kF32);
+  ASSERT_TRUE(cmk_->SwiGluForward(hg, hu, cact).ok());
+  ExpectClose(Host(act), cact, 1e-5, 1e-6, "SwiGluForward at the trainer's shape");
+  Tensor cemb = *Tensor::Empty({N, W}, DType::kF32);
+  ASSERT_TRUE(cmk_->EmbeddingForward(Host(table), hids, cemb).ok());
+  ExpectBitwise(Host(emb), cemb, "EmbeddingForward at the trainer's shape");
+  Tensor clse = *Tensor::Empty({N}, DType::kF32);
+  double closs = 0;
+  ASSERT_TRUE(cmk_->CrossEntropyForward(*cpu_, Host(h), Host(wh), Host(tg), Host(wt), chunk, clse,
+                                        &closs).ok());
+  EXPECT_NEAR(loss, closs, 1e-5 * std::fabs(closs));
+}
+
+}  // namespace
+}  // namespace gpu_test
+}  // namespace smat
