@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -16,7 +15,6 @@
 #include "core/exit_codes.h"
 #include "core/status.h"
 #include "trainer/checkpoint.h"
-#include "trainer/device_memory.h"
 #include "trainer/phase_timer.h"
 
 namespace smat {
@@ -104,15 +102,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
         " needs held-out data: set data.heldout_path (smat_data bytes --heldout_fraction writes "
         "it) or set run.eval_every = 0"));
   }
-  // On a device, activations come from a caching allocator (device_memory.h);
-  // SMAT_CACHING_ALLOCATOR=0 allocates straight from the backend (to compare).
-  std::unique_ptr<Backend> cached;
-  const char* caching = std::getenv("SMAT_CACHING_ALLOCATOR");
-  if (!backend.device().is_cpu() && !(caching != nullptr && std::string(caching) == "0")) {
-    cached = MakeCachingBackend(backend);
-  }
-  std::unique_ptr<Trainer> t(new Trainer(config, pg, cached ? *cached : backend));
-  t->cached_backend_ = std::move(cached);
+  std::unique_ptr<Trainer> t(new Trainer(config, pg, backend));
   SMAT_ASSIGN_OR_RETURN(t->sampler_,
                         BatchSampler::Create(config.data(), config.model().vocab_size(), pg.dp()));
   SMAT_ASSIGN_OR_RETURN(t->model_, Model::Create(config, t->backend_));

@@ -178,10 +178,7 @@ class Trainer {
 
   TrainConfig config_;
   ProcessGroup& pg_;
-  // The caching backend over the caller's on a device (declared before the
-  // model so it outlives every tensor of it); null on the CPU.
-  std::unique_ptr<Backend> cached_backend_;
-  Backend& backend_;  // *cached_backend_ or the caller's
+  Backend& backend_;
   std::unique_ptr<BatchSampler> sampler_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<AdamW> optimizer_;

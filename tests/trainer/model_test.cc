@@ -13,10 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
 #include "core/rng.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/smat.h"
+#include "parallel/sequence_parallel_smat.h"
 #include "tests/trainer/model_test_util.h"
 #include "tests/trainer/single_rank_communicator.h"
 #include "trainer/smat_mixer.h"
@@ -329,6 +331,88 @@ TEST(ModelTest, BadInputsAreErrors) {
   cfg = TinyModelConfig(o);
   cfg.mutable_model()->set_heads(0);
   EXPECT_EQ(Model::Create(cfg, cpu).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace smat
+
+namespace smat {
+namespace {
+
+// run.bf16 on the CPU: the products read bf16-rounded operands (the CPU Gemm
+// widens them back and accumulates in fp32) and the SMat op reads features
+// rounded to bf16 (its CPU kernels compute on them in fp32). The loss and the
+// gradients move by the rounding only: within 2e-2 relative of fp32 (operands
+// rounded by at most 2^-9 relative, the errors averaging in fp32 sums), but
+// not bit-equal to it; gradients stay fp32 and finite, two runs agree bitwise.
+TEST(ModelTest, Bf16OnTheCpuRoundsOperandsOnly) {
+  CpuBackend cpu;
+  SingleRankCommunicator comm;
+  TinyModelOptions o;
+  o.token_hash = true;
+  o.gated = true;
+  o.short_conv = true;
+  o.key_gate = true;
+  const ModelInputs in = RandomModelInputs(2, o.T, 13, 77);
+  auto run = [&](bool bf16, double* loss, std::vector<std::vector<float>>* grads) {
+    TrainConfig cfg = TinyModelConfig(o);
+    cfg.mutable_run()->set_bf16(bf16);
+    auto model = Model::Create(cfg, cpu);
+    ASSERT_TRUE(model.ok()) << model.status();
+    RandomizeParameters(**model, 9);
+    ASSERT_TRUE((*model)->ZeroGrad().ok());
+    auto parts = (*model)->Forward(comm, in);
+    ASSERT_TRUE(parts.ok()) << parts.status();
+    ASSERT_TRUE((*model)->Backward(parts->token_count).ok());
+    *loss = parts->loss_sum / parts->token_count;
+    *grads = Grads(**model);
+  };
+  double l32 = 0, l16 = 0, l16b = 0;
+  std::vector<std::vector<float>> g32, g16, g16b;
+  run(false, &l32, &g32);
+  run(true, &l16, &g16);
+  run(true, &l16b, &g16b);
+  EXPECT_NE(l16, l32);
+  EXPECT_NEAR(l16, l32, 2e-2 * std::abs(l32));
+  EXPECT_EQ(l16, l16b);
+  EXPECT_EQ(g16, g16b);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < g32.size(); ++i) {
+    for (size_t k = 0; k < g32[i].size(); ++k) {
+      ASSERT_TRUE(std::isfinite(g16[i][k]));
+      num += (double{g16[i][k]} - g32[i][k]) * (double{g16[i][k]} - g32[i][k]);
+      den += double{g32[i][k]} * g32[i][k];
+    }
+  }
+  // Relative error of the whole gradient: rounding-sized, not a broken path.
+  EXPECT_LT(std::sqrt(num / den), 5e-2);
+  EXPECT_GT(num, 0.0);
+}
+
+}  // namespace
+}  // namespace smat
+
+namespace smat {
+namespace {
+
+// The shipped GPU configs load and validate, their SMat plans exist and split
+// over their sp ranks, and an impossible shape is refused at load time (before
+// any rank starts work).
+TEST(ModelTest, ShippedGpuConfigsValidate) {
+  const std::string dir = std::string(SMAT_SOURCE_DIR) + "/configs/";
+  for (const char* name : {"lm_16k_gpu", "lm_1m_gpu", "lm_2m_sp2", "mqar_64k_gpu"}) {
+    auto cfg = LoadConfig(dir + name + ".textproto");
+    ASSERT_TRUE(cfg.ok()) << name << ": " << cfg.status();
+    EXPECT_EQ(cfg->parallel().device(), "cuda") << name;
+    EXPECT_TRUE(cfg->run().bf16()) << name;
+    auto plan = MakeSmatPlan(cfg->data().seq_len(), cfg->smat().d(), cfg->smat().chunk(),
+                             cfg->smat().q());
+    ASSERT_TRUE(plan.ok()) << name << ": " << plan.status();
+    auto spans = SplitSequence(*plan, cfg->parallel().sp());
+    EXPECT_TRUE(spans.ok()) << name << ": " << spans.status();
+  }
+  EXPECT_FALSE(LoadConfig(dir + "lm_16k_gpu.textproto", {"model.heads=5"}).ok());
+  EXPECT_FALSE(LoadConfig(dir + "lm_1m_gpu.textproto", {"smat.d=0"}).ok());
 }
 
 }  // namespace
