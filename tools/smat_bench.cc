@@ -209,7 +209,7 @@ absl::Status RunDecodeBenchmark(const SmatBenchConfig& cfg) {
   SMAT_ASSIGN_OR_RETURN(SmatPlan plan, MakeSmatPlan(T, d, cfg.chunk, cfg.q));
   const int reps = std::max(cfg.reps, 30), warmup = std::max(cfg.warmup, 10);
   // Timed positions: the last (warmup + 2 reps) of T.
-  const int64_t tail = warmup + 2 * int64_t{reps};
+  const int64_t tail = warmup + 3 * int64_t{reps};
   if (T <= tail) {
     return absl::InvalidArgumentError(absl::StrCat("--T ", T, " must exceed the ", tail,
                                                    " timed and warm-up positions"));
@@ -300,6 +300,39 @@ absl::Status RunDecodeBenchmark(const SmatBenchConfig& cfg) {
     SMAT_ASSIGN_OR_RETURN(float ms, backend->ElapsedMs(*marks[i], *marks[i + 1]));
     stream.push_back(ms * 1e3);
   }
+  const Allocator::Stats mem = backend->allocator().stats();  // before the queue's buffers
+
+  // Device-bound: the steps queued behind a long copy, so the device never
+  // waits for the host; the events between them then give the device's own
+  // time per step (kernel and launch gap), whatever the host's launch path costs.
+  std::vector<double> queued;
+  double enqueue_us = 0, copy_us = 0;
+  if (!backend->device().is_cpu()) {
+    constexpr int64_t kQueueFloats = int64_t{256} << 20;  // 1 GiB each way: ~0.5 ms
+    SMAT_ASSIGN_OR_RETURN(Tensor qsrc, Tensor::Empty({kQueueFloats}, DType::kF32,
+                                                     backend->allocator()));
+    SMAT_ASSIGN_OR_RETURN(Tensor qdst, Tensor::Empty({kQueueFloats}, DType::kF32,
+                                                     backend->allocator()));
+    SMAT_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+    SMAT_RETURN_IF_ERROR(backend->Record(*e0, nullptr));
+    SMAT_RETURN_IF_ERROR(backend->Copy(qsrc, qdst));
+    SMAT_RETURN_IF_ERROR(backend->Record(*marks[0], nullptr));
+    const double h0 = NowSeconds();
+    for (int i = 0; i < reps; ++i) {
+      SMAT_RETURN_IF_ERROR(step());
+      SMAT_RETURN_IF_ERROR(backend->Record(*marks[i + 1], nullptr));
+    }
+    enqueue_us = (NowSeconds() - h0) * 1e6;
+    SMAT_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+    SMAT_ASSIGN_OR_RETURN(float cms, backend->ElapsedMs(*e0, *marks[0]));
+    copy_us = cms * 1e3;
+    for (int i = 0; i < reps; ++i) {
+      SMAT_ASSIGN_OR_RETURN(float ms, backend->ElapsedMs(*marks[i], *marks[i + 1]));
+      queued.push_back(ms * 1e3);
+    }
+  } else {
+    for (int i = 0; i < reps; ++i) SMAT_RETURN_IF_ERROR(step());
+  }
   if (dec->position() != T) {
     return absl::InternalError(absl::StrCat("decoded ", dec->position(), " of ", T, " tokens"));
   }
@@ -310,7 +343,6 @@ absl::Status RunDecodeBenchmark(const SmatBenchConfig& cfg) {
   const double state = 4.0 * cfg.r * (cfg.dv + 1) * cfg.batch * cfg.heads;
   const double bytes = (window == 0 ? 3 : 7) * state;
   const double us_stream = Median(stream), us_iso = Median(isolated);
-  const Allocator::Stats mem = backend->allocator().stats();
   const double peak_mb = static_cast<double>(mem.peak_bytes - base_bytes) / 1e6;
   std::printf("# smat_bench decode on %s\n", backend->name().c_str());
   std::printf(
@@ -323,13 +355,21 @@ absl::Status RunDecodeBenchmark(const SmatBenchConfig& cfg) {
       static_cast<long long>(cfg.heads), static_cast<long long>(cfg.r),
       static_cast<long long>(cfg.dv), DTypeName(cfg.dtype), cfg.gated ? "gated" : "ungated");
   std::printf("timed positions %lld..%lld (after %d warm-up steps), %d steps each way\n",
-              static_cast<long long>(T - 2 * reps), static_cast<long long>(T - 1), warmup, reps);
+              static_cast<long long>(T - 3 * reps), static_cast<long long>(T - 1), warmup, reps);
   std::printf("step, back-to-back: median %.2f us/token (min %.2f, max %.2f)\n", us_stream,
               *std::min_element(stream.begin(), stream.end()),
               *std::max_element(stream.begin(), stream.end()));
   std::printf("step, isolated:     median %.2f us/token (min %.2f, max %.2f)\n", us_iso,
               *std::min_element(isolated.begin(), isolated.end()),
               *std::max_element(isolated.begin(), isolated.end()));
+  if (!queued.empty()) {
+    std::printf(
+        "step, device-bound (queued behind a %.0f us copy; the host enqueued them in %.0f us%s): "
+        "median %.2f us/token (min %.2f, max %.2f)\n",
+        copy_us, enqueue_us, enqueue_us < copy_us ? "" : ", NOT ahead of the device",
+        Median(queued), *std::min_element(queued.begin(), queued.end()),
+        *std::max_element(queued.begin(), queued.end()));
+  }
   const double gbs = bytes / (us_stream * 1e-6) / 1e9;
   if (copy > 0) {
     std::printf(
@@ -354,9 +394,11 @@ absl::Status RunDecodeBenchmark(const SmatBenchConfig& cfg) {
                 "64-token input pool, output)\n",
                 static_cast<double>(dec->StateBytes()) / 1e6, peak_mb);
   }
-  std::printf("| %s | %d | %lld | %.2f | %.2f | %.1f | %.0f | %s | %.1f |\n",
+  std::printf("| %s | %d | %lld | %.2f | %.2f | %.2f | %.2f | %.1f | %.0f | %s | %.1f |\n",
               window == 0 ? "fixed" : absl::StrCat("stepped ", window).c_str(), d,
-              static_cast<long long>(T), us_stream, us_iso, gbs, copy / 1e9,
+              static_cast<long long>(T), us_stream, us_iso, Median(queued),
+              (ff_seconds - wall_tab) / std::max<double>(1, ff - tabs.size()) * 1e6, gbs,
+              copy / 1e9,
               tabs.empty() ? "-"
                            : absl::StrCat(absl::StrFormat("%.2f", tabs.back().event_ms), " ms x ",
                                           tabs.size()).c_str(),

@@ -3,11 +3,14 @@
 // SMat op of kernels/smat.h through the CPU backend, the decoders of
 // kernels/decode.h, and the dense double references); the plan's JSON; and the
 // documented errors for bad inputs.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -232,6 +235,59 @@ TEST(SmatOpToolTest, DecodeSteppedWindowPastTmax) {
   DenseReferenceOutputs ref =
       MaskedAttentionDenseReference(in, SteppedWindowMaskFn(*plan, window, in));
   ExpectNear(o, ref.o, 1e-6, "stepped decode vs dense");
+}
+
+// decode --device cuda: the CUDA decoder (cache on the device) gives the host
+// decoder's outputs, for the fixed horizon and the stepped window past T_max,
+// gated with content maps. Skipped, saying why, where no CUDA backend loads
+// (failed instead under SMAT_REQUIRE_GPU=1). Tolerance: 1e-5 of the largest
+// output, as tests/gpu/decode_gpu_test.cc (which sees no difference at all).
+TEST(SmatOpToolTest, DecodeOnCudaMatchesHost) {
+  const int64_t T = 203;
+  auto geo_plan = MakeSmatPlan(128, 2, 8);
+  ASSERT_TRUE(geo_plan.ok());
+  const std::string in_dir = FreshDir("cuda_dec_in");
+  WriteOperands(in_dir, 2, T, 3, 7, 5, true, &geo_plan->geo, 9, false);
+  absl::StatusOr<SmatOpOperands> operands = ReadSmatOpOperands(in_dir, SmatOpMode::kDecode);
+  ASSERT_TRUE(operands.ok()) << operands.status();
+  for (const auto& [window, tmax] : {std::pair<int64_t, int64_t>{0, 0}, {32, 128}}) {
+    SCOPED_TRACE(absl::StrCat("window ", window));
+    SmatOpConfig cfg;
+    cfg.mode = SmatOpMode::kDecode;
+    cfg.d = 2;
+    cfg.chunk = 8;
+    cfg.window = window;
+    cfg.tmax = tmax;
+    absl::StatusOr<SmatPlan> plan = PlanSmatOp(cfg, T);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    // The content ids were drawn for T_max = 128's geometry: in range of both plans.
+    ASSERT_GE(plan->geo.P, geo_plan->geo.P);
+    ASSERT_GE(plan->geo.B, geo_plan->geo.B);
+    absl::StatusOr<SmatOpResults> host = ComputeSmatOp(cfg, *plan, *operands);
+    ASSERT_TRUE(host.ok()) << host.status();
+    cfg.device = Device::Cuda(0);
+    absl::StatusOr<SmatOpResults> gpu = ComputeSmatOp(cfg, *plan, *operands);
+    if (!gpu.ok() && absl::IsFailedPrecondition(gpu.status())) {
+      const char* req = std::getenv("SMAT_REQUIRE_GPU");
+      if (req != nullptr && std::string(req) == "1") {
+        FAIL() << "SMAT_REQUIRE_GPU=1 but: " << gpu.status();
+      }
+      GTEST_SKIP() << "no CUDA backend here, decode --device cuda not checked: " << gpu.status();
+    }
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    ASSERT_EQ(gpu->o.shape(), host->o.shape());
+    double scale = 0, worst = 0;
+    for (int64_t i = 0; i < host->o.numel(); ++i) {
+      scale = std::max(scale, std::fabs(double(host->o.data<float>()[i])));
+    }
+    ASSERT_GT(scale, 0.0);
+    for (int64_t i = 0; i < host->o.numel(); ++i) {
+      const float g = gpu->o.data<float>()[i];
+      ASSERT_FALSE(std::isnan(g)) << "element " << i;
+      worst = std::max(worst, std::fabs(double(g) - host->o.data<float>()[i]) / scale);
+    }
+    EXPECT_LE(worst, 1e-5);
+  }
 }
 
 // --dtype bf16 on the CPU: fp32 arithmetic on bf16-rounded phi, psi, v (the
