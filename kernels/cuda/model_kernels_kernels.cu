@@ -238,48 +238,89 @@ __global__ void CastBf16ToF32Kernel(const uint16_t* __restrict__ src, float* __r
 }
 
 // ------------------------------------------------------------------ rows of r features
-__global__ void SigmoidScaleForwardKernel(const float* x, const float* __restrict__ g, float* y,
-                                          int64_t rows, int64_t r) {
-  const int64_t n = rows * r;
-  for (int64_t e = GlobalThread(); e < n; e += GridThreads()) {
-    y[e] = x[e] * Sigmoid(g[e / r]);
-  }
+// One warp per row of r features (r is a head's feature count, tens of
+// values): lanes stride over the row, so every access is coalesced.
+constexpr int kFeatureRowWarps = 8;
+
+__device__ __forceinline__ int64_t WarpRow() {
+  return static_cast<int64_t>(blockIdx.x) * kFeatureRowWarps + threadIdx.x / kWarp;
 }
 
-// One thread per row (r is a head's feature count, tens of values).
+__global__ void SigmoidScaleForwardKernel(const float* x, const float* __restrict__ g, float* y,
+                                          int64_t rows, int64_t r) {
+  const int64_t i = WarpRow();
+  if (i >= rows) return;
+  const float s = Sigmoid(g[i]);
+  for (int64_t j = threadIdx.x % kWarp; j < r; j += kWarp) y[i * r + j] = x[i * r + j] * s;
+}
+
 __global__ void SigmoidScaleBackwardKernel(const float* __restrict__ x, const float* __restrict__ g,
                                            const float* dy, float* dx, float* __restrict__ dg,
                                            int64_t rows, int64_t r) {
-  for (int64_t i = GlobalThread(); i < rows; i += GridThreads()) {
-    const float s = Sigmoid(g[i]);
-    double dot = 0.0;
-    for (int64_t j = 0; j < r; ++j) dot += double{x[i * r + j]} * dy[i * r + j];
-    for (int64_t j = 0; j < r; ++j) dx[i * r + j] = s * dy[i * r + j];
-    dg[i] = static_cast<float>(dot) * s * (1.f - s);
+  const int64_t i = WarpRow();
+  if (i >= rows) return;
+  const int lane = threadIdx.x % kWarp;
+  const float s = Sigmoid(g[i]);
+  double dot = 0.0;
+  for (int64_t j = lane; j < r; j += kWarp) dot += double{x[i * r + j]} * dy[i * r + j];
+  dot = WarpSum(dot);  // every lane has read its dy before any dx is written
+  for (int64_t j = lane; j < r; j += kWarp) dx[i * r + j] = s * dy[i * r + j];
+  if (lane == 0) dg[i] = static_cast<float>(dot) * s * (1.f - s);
+}
+
+// The row's maximum and its first index (std::max_element): the larger value
+// wins, the smaller index on a tie, so the reduction order does not matter.
+__device__ __forceinline__ void WarpFirstMax(float& v, int64_t& a) {
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const float v2 = __shfl_down_sync(0xffffffffu, v, o);
+    const int64_t a2 = __shfl_down_sync(0xffffffffu, a, o);
+    if (v2 > v || (v2 == v && a2 < a)) {
+      v = v2;
+      a = a2;
+    }
   }
+  v = __shfl_sync(0xffffffffu, v, 0);
+  a = __shfl_sync(0xffffffffu, a, 0);
+}
+
+__device__ __forceinline__ void RowFirstMax(const float* row, int64_t r, int lane, float& mx,
+                                            int64_t& a) {
+  mx = -INFINITY;
+  a = INT64_MAX;
+  for (int64_t j = lane; j < r; j += kWarp) {
+    if (row[j] > mx || a == INT64_MAX) {
+      mx = row[j];
+      a = j;
+    }
+  }
+  WarpFirstMax(mx, a);
 }
 
 __global__ void ExpRowMaxForwardKernel(const float* x, float* y, int64_t rows, int64_t r) {
-  for (int64_t i = GlobalThread(); i < rows; i += GridThreads()) {
-    const float* row = x + i * r;
-    float mx = row[0];
-    for (int64_t j = 1; j < r; ++j) mx = row[j] > mx ? row[j] : mx;  // std::max_element
-    for (int64_t j = 0; j < r; ++j) y[i * r + j] = expf(row[j] - mx);
-  }
+  const int64_t i = WarpRow();
+  if (i >= rows) return;
+  const int lane = threadIdx.x % kWarp;
+  const float* row = x + i * r;
+  float mx;
+  int64_t a;
+  RowFirstMax(row, r, lane, mx, a);
+  for (int64_t j = lane; j < r; j += kWarp) y[i * r + j] = expf(row[j] - mx);
 }
 
 __global__ void ExpRowMaxBackwardKernel(const float* __restrict__ x, const float* __restrict__ y,
                                         const float* dy, float* dx, int64_t rows, int64_t r) {
-  for (int64_t i = GlobalThread(); i < rows; i += GridThreads()) {
-    const float* row = x + i * r;
-    int64_t a = 0;  // the first argmax
-    for (int64_t j = 1; j < r; ++j) a = row[j] > row[a] ? j : a;
-    double dot = 0.0;
-    for (int64_t j = 0; j < r; ++j) dot += double{y[i * r + j]} * dy[i * r + j];
-    const float da = __fsub_rn(__fmul_rn(y[i * r + a], dy[i * r + a]), static_cast<float>(dot));
-    for (int64_t j = 0; j < r; ++j) {
-      dx[i * r + j] = j == a ? da : __fmul_rn(y[i * r + j], dy[i * r + j]);
-    }
+  const int64_t i = WarpRow();
+  if (i >= rows) return;
+  const int lane = threadIdx.x % kWarp;
+  float mx;
+  int64_t a;  // the first argmax
+  RowFirstMax(x + i * r, r, lane, mx, a);
+  double dot = 0.0;
+  for (int64_t j = lane; j < r; j += kWarp) dot += double{y[i * r + j]} * dy[i * r + j];
+  dot = WarpSum(dot);
+  for (int64_t j = lane; j < r; j += kWarp) {
+    const float p = __fmul_rn(y[i * r + j], dy[i * r + j]);
+    dx[i * r + j] = j == a ? __fsub_rn(p, static_cast<float>(dot)) : p;
   }
 }
 
@@ -488,55 +529,91 @@ __device__ __forceinline__ float ConvInput(const float* x, const float* prefix, 
   return s >= 0 ? x[(b * L + s) * C + c] : prefix[(b * (K - 1) + (K - 1) + s) * C + c];
 }
 
+// Block-stride over rows (b, t) of the output, threads over channels c: every
+// load and store is coalesced and no index is divided per element.
 __global__ void ShortConvForwardKernel(const float* __restrict__ x, const float* __restrict__ prefix,
                                        const float* __restrict__ w, float* __restrict__ y,
                                        int64_t nb, int64_t L, int64_t C) {
-  const int64_t n = nb * L * C;
-  for (int64_t e = GlobalThread(); e < n; e += GridThreads()) {
-    const int64_t c = e % C, bt = e / C, t = bt % L, b = bt / L;
-    float out = 0.f;
+  for (int64_t bt = blockIdx.x; bt < nb * L; bt += gridDim.x) {
+    const int64_t b = bt / L, t = bt - b * L;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      float out = 0.f;
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      const int64_t s = t - (K - 1) + j;
-      out = __fadd_rn(out, __fmul_rn(w[j * C + c], ConvInput(x, prefix, b, s, c, L, C)));
+      for (int j = 0; j < K; ++j) {
+        const int64_t s = t - (K - 1) + j;
+        out = __fadd_rn(out, __fmul_rn(w[j * C + c], ConvInput(x, prefix, b, s, c, L, C)));
+      }
+      y[bt * C + c] = out;
     }
-    y[e] = out;
   }
 }
 
-// Element (b, s, c) for s in [-(K-1), L): the outputs that read input row s.
+// Rows (b, s) for s in [-(K-1), L): the outputs that read input row s.
 __global__ void ShortConvBackwardInputKernel(const float* __restrict__ w,
                                              const float* __restrict__ dy, float* __restrict__ dx,
                                              float* __restrict__ d_prefix, int64_t nb, int64_t L,
                                              int64_t C) {
-  const int64_t span = L + K - 1, n = nb * span * C;
-  for (int64_t e = GlobalThread(); e < n; e += GridThreads()) {
-    const int64_t c = e % C, bs = e / C, s = bs % span - (K - 1), b = bs / span;
-    float out = 0.f;
+  const int64_t span = L + K - 1;
+  for (int64_t bs = blockIdx.x; bs < nb * span; bs += gridDim.x) {
+    const int64_t b = bs / span, s = bs - b * span - (K - 1);
+    float* out = s >= 0 ? dx + (b * L + s) * C : d_prefix + (b * (K - 1) + (K - 1) + s) * C;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      float acc = 0.f;
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      const int64_t t = s + (K - 1) - j;
-      if (t < 0 || t >= L) continue;
-      out = __fadd_rn(out, __fmul_rn(w[j * C + c], dy[(b * L + t) * C + c]));
-    }
-    if (s >= 0) {
-      dx[(b * L + s) * C + c] = out;
-    } else {
-      d_prefix[(b * (K - 1) + (K - 1) + s) * C + c] = out;
+      for (int j = 0; j < K; ++j) {
+        const int64_t t = s + (K - 1) - j;
+        if (t < 0 || t >= L) continue;
+        acc = __fadd_rn(acc, __fmul_rn(w[j * C + c], dy[(b * L + t) * C + c]));
+      }
+      out[c] = acc;
     }
   }
 }
 
-struct ShortConvWeightTerm {  // row i = b L + t, column j = tap * C + c
-  const float* x;
-  const float* prefix;
-  const float* dy;
-  int64_t L, C;
-  __device__ float operator()(int64_t i, int64_t j) const {
-    const int64_t tap = j / C, c = j - tap * C, b = i / L, t = i - b * L;
-    return __fmul_rn(dy[i * C + c], ConvInput(x, prefix, b, t - (K - 1) + tap, c, L, C));
+static_assert(K <= kRowGroups, "one warp per tap adds the group sums");
+
+// d_w partials: block (row range of ColumnPartials, tile of 32 channels);
+// thread (g, c) keeps the K taps of channel c over rows g, g + kRowGroups, ...
+// of the range (in order), then the groups are added in group order.
+// partials [blocks, K, C].
+__global__ void ShortConvWeightPartialsKernel(const float* __restrict__ x,
+                                              const float* __restrict__ prefix,
+                                              const float* __restrict__ dy, int64_t nb, int64_t L,
+                                              int64_t C, int64_t rows_per,
+                                              float* __restrict__ partials) {
+  const int lane = threadIdx.x % kColTile, g = threadIdx.x / kColTile;
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * kColTile + lane;
+  const int64_t rows = nb * L;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * rows_per;
+  const int64_t i1 = std::min(rows, i0 + rows_per);
+  float acc[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) acc[j] = 0.f;
+  if (c < C && i0 + g < i1) {
+    int64_t b = (i0 + g) / L, t = (i0 + g) - b * L;
+    for (int64_t i = i0 + g; i < i1; i += kRowGroups) {
+      const float gy = dy[i * C + c];
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        acc[j] = __fadd_rn(acc[j], __fmul_rn(gy, ConvInput(x, prefix, b, t - (K - 1) + j, c, L, C)));
+      }
+      t += kRowGroups;
+      while (t >= L) {
+        t -= L;
+        ++b;
+      }
+    }
   }
-};
+  __shared__ float sums[K][kRowGroups][kColTile];
+#pragma unroll
+  for (int j = 0; j < K; ++j) sums[j][g][lane] = acc[j];
+  __syncthreads();
+  if (g < K && c < C) {  // warp g adds tap g's group sums in group order
+    float total = sums[g][0][lane];
+    for (int k = 1; k < kRowGroups; ++k) total = __fadd_rn(total, sums[g][k][lane]);
+    partials[(static_cast<int64_t>(blockIdx.x) * K + g) * C + c] = total;
+  }
+}
 
 // ------------------------------------------------------------------ cross-entropy
 constexpr int kRowThreads = 256;
@@ -605,6 +682,10 @@ __global__ void SumDoublesKernel(const double* __restrict__ in, int64_t n, doubl
   for (int64_t i = i0; i < i1; ++i) s += in[i];
   s = BlockSum(s, shared);
   if (threadIdx.x == 0) *out = s;
+}
+
+unsigned FeatureRowBlocks(int64_t rows) {
+  return static_cast<unsigned>((rows + kFeatureRowWarps - 1) / kFeatureRowWarps);
 }
 
 }  // namespace
@@ -734,8 +815,8 @@ cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64
 cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, float* y, int64_t rows,
                                       int64_t r, int max_blocks, cudaStream_t stream) {
   if (rows * r == 0) return cudaSuccess;
-  SigmoidScaleForwardKernel<<<Blocks(rows * r, max_blocks), kThreads, 0, stream>>>(x, g, y, rows,
-                                                                                   r);
+  SigmoidScaleForwardKernel<<<FeatureRowBlocks(rows), kFeatureRowWarps * kWarp, 0, stream>>>(
+      x, g, y, rows, r);
   return cudaGetLastError();
 }
 
@@ -743,23 +824,24 @@ cudaError_t LaunchSigmoidScaleBackward(const float* x, const float* g, const flo
                                        float* dg, int64_t rows, int64_t r, int max_blocks,
                                        cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  SigmoidScaleBackwardKernel<<<Blocks(rows, max_blocks), kThreads, 0, stream>>>(x, g, dy, dx, dg,
-                                                                                rows, r);
+  SigmoidScaleBackwardKernel<<<FeatureRowBlocks(rows), kFeatureRowWarps * kWarp, 0, stream>>>(
+      x, g, dy, dx, dg, rows, r);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchExpRowMaxForward(const float* x, float* y, int64_t rows, int64_t r,
                                    int max_blocks, cudaStream_t stream) {
   if (rows == 0 || r == 0) return cudaSuccess;
-  ExpRowMaxForwardKernel<<<Blocks(rows, max_blocks), kThreads, 0, stream>>>(x, y, rows, r);
+  ExpRowMaxForwardKernel<<<FeatureRowBlocks(rows), kFeatureRowWarps * kWarp, 0, stream>>>(
+      x, y, rows, r);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchExpRowMaxBackward(const float* x, const float* y, const float* dy, float* dx,
                                     int64_t rows, int64_t r, int max_blocks, cudaStream_t stream) {
   if (rows == 0 || r == 0) return cudaSuccess;
-  ExpRowMaxBackwardKernel<<<Blocks(rows, max_blocks), kThreads, 0, stream>>>(x, y, dy, dx, rows,
-                                                                             r);
+  ExpRowMaxBackwardKernel<<<FeatureRowBlocks(rows), kFeatureRowWarps * kWarp, 0, stream>>>(
+      x, y, dy, dx, rows, r);
   return cudaGetLastError();
 }
 
@@ -767,26 +849,36 @@ cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const fl
                                    int64_t nb, int64_t L, int64_t C, int max_blocks,
                                    cudaStream_t stream) {
   if (nb * L * C == 0) return cudaSuccess;
-  ShortConvForwardKernel<<<Blocks(nb * L * C, max_blocks), kThreads, 0, stream>>>(x, prefix, w, y,
-                                                                                  nb, L, C);
+  const int blocks = static_cast<int>(std::min<int64_t>(nb * L, max_blocks));
+  ShortConvForwardKernel<<<blocks, kThreads, 0, stream>>>(x, prefix, w, y, nb, L, C);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchShortConvBackwardInput(const float* w, const float* dy, float* dx,
                                          float* d_prefix, int64_t nb, int64_t L, int64_t C,
                                          int max_blocks, cudaStream_t stream) {
-  const int64_t n = nb * (L + K - 1) * C;
-  if (n == 0) return cudaSuccess;
-  ShortConvBackwardInputKernel<<<Blocks(n, max_blocks), kThreads, 0, stream>>>(w, dy, dx, d_prefix,
-                                                                               nb, L, C);
+  const int64_t rows = nb * (L + K - 1);
+  if (rows * C == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks));
+  ShortConvBackwardInputKernel<<<blocks, kThreads, 0, stream>>>(w, dy, dx, d_prefix, nb, L, C);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchShortConvWeightGrad(const float* x, const float* prefix, const float* dy,
                                       float* partials, float* d_w, int64_t nb, int64_t L,
                                       int64_t C, cudaStream_t stream) {
-  return LaunchColumnSums(ShortConvWeightTerm{x, prefix, dy, L, C}, nb * L, K * C, partials, d_w,
-                          stream);
+  const int64_t rows = nb * L;
+  if (rows == 0 || C == 0) return cudaSuccess;
+  const int64_t rows_per = RowsPerPartial(rows);
+  const int64_t blocks = (rows + rows_per - 1) / rows_per;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((C + kColTile - 1) / kColTile));
+  ShortConvWeightPartialsKernel<<<grid, kColTile * kRowGroups, 0, stream>>>(x, prefix, dy, nb, L, C,
+                                                                          rows_per, partials);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  AddPartialsKernel<<<static_cast<int>((K * C + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      partials, blocks, K * C, d_w);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchCrossEntropyRows(const float* logits, int64_t m, int64_t V,
