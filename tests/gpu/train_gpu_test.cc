@@ -60,6 +60,7 @@ TrainConfig SmallConfig(bool bf16) {
   m->set_short_conv(true);
   m->set_gated(true);
   m->set_routing(ModelConfig::TOKEN_HASH);
+  m->set_feature_map(ModelConfig::SOFTPLUS);  // ELU_PLUS_ONE, RELU: CPU only
   c.mutable_smat()->set_d(2);
   c.mutable_smat()->set_chunk(32);
   c.mutable_data()->set_seq_len(kT);
@@ -231,6 +232,17 @@ TEST_F(TrainGpuTest, Bf16TrainsCloseToFp32AndMatchesCpuBf16) {
   for (size_t i = 0; i < bf16.params.size(); ++i) {
     for (float v : bf16.params[i]) ASSERT_TRUE(std::isfinite(v)) << bf16.names[i];
   }
+}
+
+TEST_F(TrainGpuTest, HostOnlyFeatureMapIsRefusedWhenTheModelIsBuilt) {
+  TrainConfig cfg = SmallConfig(false);
+  cfg.mutable_model()->set_feature_map(ModelConfig::ELU_PLUS_ONE);
+  absl::StatusOr<std::unique_ptr<Model>> model = Model::Create(cfg, *gpu_);
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(model.status().message()).find("SOFTPLUS"), std::string::npos)
+      << model.status();
+  EXPECT_TRUE(Model::Create(cfg, *cpu_).ok());
 }
 
 }  // namespace
