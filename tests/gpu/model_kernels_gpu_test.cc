@@ -691,6 +691,28 @@ TEST_F(ModelKernelsGpuTest, TimingAtTrainerShapes) {
                     return gmk_->CrossEntropyBackward(*gpu_, h, wh, tg, wt, lse, 1.f / N, chunk, dh, dwh);
                   }),
                   fb * (2 * N * W + 2 * V * W + 2 * N)});
+  // The GPT-2 vocabulary: the products dominate (2 N V W flops forward,
+  // three times that backward, with the logits recomputed).
+  {
+    const int64_t Vl = 50257;
+    Tensor whl = Dev(Random({Vl, W}, 70, 0.05f)), tgl = Dev(Ids(N, Vl, 71));
+    Tensor dwl = Poisoned({Vl, W}, 0.0);
+    double lossl = 0;
+    const double fwd = time_ms([&] {
+      return gmk_->CrossEntropyForward(*gpu_, h, whl, tgl, wt, chunk, lse, &lossl);
+    });
+    const double bwd = time_ms([&] {
+      return gmk_->CrossEntropyBackward(*gpu_, h, whl, tgl, wt, lse, 1.f / N, chunk, dh, dwl);
+    });
+    const double flops = 2.0 * N * Vl * W;
+    std::printf("[timing] CrossEntropyForward (V 50257, chunk 4096): %.3f ms, %.1f TFLOP/s of fp32 products\n",
+                fwd, flops / (fwd * 1e9));
+    std::printf("[timing] CrossEntropyBackward (V 50257, chunk 4096): %.3f ms, %.1f TFLOP/s of fp32 products\n",
+                bwd, 3 * flops / (bwd * 1e9));
+    EXPECT_TRUE(std::isfinite(lossl) && lossl > 0) << lossl;
+    EXPECT_NEAR(lossl / N, std::log(static_cast<double>(Vl)), 0.5)
+        << "small logits: the mean loss is about log V";
+  }
   std::printf("[timing] %-42s %10s %10s %8s\n", "op", "ms", "GB/s", "of copy");
   for (const Row& row : rows) {
     const double gbs = row.bytes / (row.ms * 1e6);
