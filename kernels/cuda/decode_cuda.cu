@@ -20,6 +20,7 @@ namespace {
 
 constexpr int kWarp = 32;
 constexpr int kMaxRowsPerBlock = 32;                 // warps per block at most
+constexpr int kElemBatch = 6;  // state elements loaded at once per thread (r = 64, p = 65: all)
 constexpr int64_t kStepSharedBudget = 40 * 1024;     // bytes of double partials aimed for
 
 template <bool kBf16>
@@ -39,7 +40,7 @@ __device__ __forceinline__ float DecayAdd(float s, float a, float kv) {
 // Shared memory: acc [ny][p] doubles, ybar [p] doubles, then phi [r], psi [r],
 // vbar [p] floats.
 template <bool kBf16>
-__global__ void DecodeStepKernel(DecodeStepArgs A) {
+__global__ void __launch_bounds__(kWarp * kMaxRowsPerBlock) DecodeStepKernel(DecodeStepArgs A) {
   extern __shared__ double smem[];
   const int r = A.r, dv = A.dv, p = dv + 1;
   const int ny = blockDim.y;
@@ -53,7 +54,14 @@ __global__ void DecodeStepKernel(DecodeStepArgs A) {
   float* psi = phi + r;               // [r]
   float* vbar = psi + r;              // [p]
 
-  // Scalars, read by every thread before anyone writes them (after the first barrier).
+  // Token features first: their loads overlap the scalar chain below.
+  for (int k = tid; k < r; k += nthreads) {
+    phi[k] = Load<kBf16>(A.phi, i * r + k);
+    psi[k] = Load<kBf16>(A.psi, i * r + k);
+  }
+  for (int j = tid; j < p; j += nthreads) vbar[j] = j < dv ? Load<kBf16>(A.v, i * dv + j) : 1.f;
+
+  // Scalars, read by every thread before anyone writes them (after the second barrier).
   const int64_t x = A.prof ? static_cast<int64_t>(A.prof[i]) : A.pos_profile;
   const int64_t h = A.type ? static_cast<int64_t>(A.type[i]) : A.pos_type;
   const bool bad = (A.prof != nullptr && (x < 0 || x >= A.P)) ||
@@ -72,33 +80,51 @@ __global__ void DecodeStepKernel(DecodeStepArgs A) {
   double wU = 0.0;
   if (A.U != nullptr) wU = exp((A.lam_offset ? A.lam_offset[i] : 0.0) + lam);
 
-  for (int k = tid; k < r; k += nthreads) {
-    phi[k] = Load<kBf16>(A.phi, i * r + k);
-    psi[k] = Load<kBf16>(A.psi, i * r + k);
-  }
-  for (int j = tid; j < p; j += nthreads) vbar[j] = j < dv ? Load<kBf16>(A.v, i * dv + j) : 1.f;
+  for (int j = lane; j < p; j += kWarp) acc[row0 * p + j] = 0.0;  // this thread's slots
   __syncthreads();
 
   float* __restrict__ S = A.S + i * rp;
   float* __restrict__ S2 = A.S2 ? A.S2 + i * rp : nullptr;
   float* __restrict__ Fx = A.table ? A.table + (i * A.P + x) * rp : nullptr;
   const float* __restrict__ U = A.U ? A.U + (i * A.B + h) * rp : nullptr;
-  for (int j = lane; j < p; j += kWarp) {
-    const float vj = vbar[j];
-    double sum = 0.0;
-#pragma unroll 4
-    for (int k = row0; k < r; k += ny) {
-      const int64_t e = static_cast<int64_t>(k) * p + j;
-      const float kv = __fmul_rn(psi[k], vj);  // = psi[k] exactly in column dv
-      const float s = DecayAdd(S[e], a, kv);
-      S[e] = s;
-      if (S2 != nullptr) S2[e] = DecayAdd(S2[e], a, kv);
-      if (Fx != nullptr) Fx[e] = DecayAdd(Fx[e], fdec, kv);
-      const double f = static_cast<double>(phi[k]);
-      sum += f * static_cast<double>(s);
-      if (U != nullptr) sum += (wU * f) * static_cast<double>(U[e]);
+  // This thread's elements: columns j = lane + 32 c (c < nc) by rows
+  // k = row0 + ny m (m < nm), column-major, in batches whose loads are all
+  // issued before any of them is used (one memory latency per batch, not per
+  // element). Each column's partial sums rows in increasing order.
+  const int nc = lane < p ? (p - lane + kWarp - 1) / kWarp : 0;
+  const int nm = row0 < r ? (r - row0 + ny - 1) / ny : 0;
+  const int count = nc * nm;
+  for (int q0 = 0; q0 < count; q0 += kElemBatch) {
+    float sv[kElemBatch], s2v[kElemBatch], fv[kElemBatch], uv[kElemBatch];
+#pragma unroll
+    for (int u = 0; u < kElemBatch; ++u) {
+      const int q = q0 + u;
+      if (q < count) {
+        const int64_t e = static_cast<int64_t>(row0 + ny * (q % nm)) * p + lane + kWarp * (q / nm);
+        sv[u] = S[e];
+        if (S2 != nullptr) s2v[u] = S2[e];
+        if (Fx != nullptr) fv[u] = Fx[e];
+        if (U != nullptr) uv[u] = U[e];
+      }
     }
-    acc[row0 * p + j] = sum;
+#pragma unroll
+    for (int u = 0; u < kElemBatch; ++u) {
+      const int q = q0 + u;
+      if (q < count) {
+        const int k = row0 + ny * (q % nm), j = lane + kWarp * (q / nm);
+        const int64_t e = static_cast<int64_t>(k) * p + j;
+        const float kv = __fmul_rn(psi[k], vbar[j]);  // = psi[k] exactly in column dv
+        const float s = DecayAdd(sv[u], a, kv);
+        S[e] = s;
+        if (S2 != nullptr) S2[e] = DecayAdd(s2v[u], a, kv);
+        if (Fx != nullptr) Fx[e] = DecayAdd(fv[u], fdec, kv);
+        const double f = static_cast<double>(phi[k]);
+        double sum = acc[row0 * p + j];
+        sum += f * static_cast<double>(s);
+        if (U != nullptr) sum += (wU * f) * static_cast<double>(uv[u]);
+        acc[row0 * p + j] = sum;
+      }
+    }
   }
   __syncthreads();
   if (tid == 0) {
