@@ -5,9 +5,10 @@
 // every reduction in a fixed order without floating-point atomics, so equal
 // inputs give equal bits. Ops that perform the CPU implementation's fp32
 // operations in the CPU's order (embedding, residual add, short convolution
-// outputs and input gradients, RMSNorm outputs up to rstd, Cast, AdamWUpdate)
-// match kernels/cpu/model_kernels_cpu.cc bit for bit; the others agree to fp32
-// rounding (see tests/gpu/model_kernels_gpu_test.cc).
+// outputs and input gradients, Cast, AdamWUpdate) match
+// kernels/cpu/model_kernels_cpu.cc bit for bit; the others agree to fp32
+// rounding (RMSNorm's y to an ulp of rstd, whose double sum of squares runs in
+// another order; see tests/gpu/model_kernels_gpu_test.cc).
 //
 // Ids and targets come from data, so they are checked on the device: a small
 // kernel finds the first bad row and its index is copied back, one host
