@@ -6,8 +6,9 @@
 // pooling, B5, the type-table gradient) and per-token reads (F7, B2, B4), 128
 // tokens of a group at a time. smat_chunk.cu and smat_grouped.cu hold the
 // general kernels (any c, r, dv) and pick this path when the sizes fit; the
-// chunk tiles run on tensor cores (smat_chunk_mma.cu) unless
-// SMAT_CUDA_CHUNK_TILES=ffma selects the FFMA tiles below.
+// chunk tiles run on tensor cores (smat_chunk_mma.cu) where
+// SmatUseMmaChunkTiles says so (SMAT_CUDA_CHUNK_TILES=ffma: the FFMA tiles
+// below, "mma": tensor cores for every chunk tile).
 //
 // Every tile here has the same shape, so one kernel template serves all four:
 //   X[row][col] = gate * (P[:, row] . Q[:, col]), masked to s <= t   (score)
@@ -812,7 +813,7 @@ cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& d, const void* phi, c
                                        const void* v, const float* lam, const float* S_in,
                                        float* ybar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (SmatUseMmaChunkTiles(d)) {
+  if (SmatUseMmaChunkTiles(d, /*backward=*/false)) {
     return LaunchSmatChunkOutputsMma(d, phi, psi, v, lam, S_in, ybar, stream);
   }
   return LaunchAny<Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr, S_in, ybar, stream);
@@ -825,7 +826,7 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& d, const void
                                                float* phi_bar, float* psi_bar, float* v_bar,
                                                cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (SmatUseMmaChunkTiles(d)) {
+  if (SmatUseMmaChunkTiles(d, /*backward=*/true)) {
     return LaunchSmatChunkOutputsBackwardMma(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
                                              phi_bar, psi_bar, v_bar, stream);
   }

@@ -53,19 +53,20 @@ using cuda_detail::TokenRow;
 constexpr int kThreads = 256;
 constexpr int kC = 128;      // chunk tokens held
 constexpr int kW = 64;       // widest r or dv
-constexpr int kKP = 40;      // word rows of a feature-indexed operand: p = 65 padded to 80, / 2
-constexpr int kLdT = 136;    // words per row of token-indexed planes (P, Q): 128 + 8
-constexpr int kLdN = 72;     // words per row of width-indexed planes (R, F): 64 + 8
+constexpr int kKP = 40;      // pair words of a feature row: p = 65 padded to 80, / 2
+constexpr int kLdT = 44;     // words per token row of the P, Q planes (12 mod 32)
+constexpr int kLdR = 72;     // bf16 per token row of the R planes (144 bytes)
+constexpr int kLdN = 72;     // words per row of the F planes (8 mod 32)
 constexpr int kLdX = 132;    // floats per row of the fp32 score tile X: 128 + 4
-constexpr int kPlaneT = kKP * kLdT;
-constexpr int kPlaneR = kC / 2 * kLdN;
-constexpr int kPlaneF = kKP * kLdN;
+constexpr int kPlaneT = kC * kLdT;       // words
+constexpr int kPlaneR = kC * kLdR / 2;   // words
+constexpr int kPlaneF = kKP * kLdN;      // words
 constexpr int kMiscWords = 4 * kC + 2 * kC + kW;  // lam, w, part, part2 [2][kC], scol
 
 // Shared memory (32-bit words) for operands of kPP, kPQ, kPR bf16 parts:
 // P, Q planes (X, fp32 [kC][kLdX], overlays them once the score tile is in
 // registers), R planes, three F planes, then lam, w, the partial sums of the
-// forward den and its state column. At most 219 KB (fp32 inputs).
+// forward den and its state column. 121 KB (bf16 forward) to 223 KB (fp32).
 template <int kPP, int kPQ, int kPR>
 struct Layout {
   static constexpr int kQ = kPP * kPlaneT;
@@ -110,14 +111,15 @@ __device__ __forceinline__ void Split(float x0, float x1, uint32_t (&part)[3]) {
   }
 }
 
-// ---- staging: operands as planes of bf16 pair words --------------------------------
-// Word (kp, n) of a plane holds elements (2 kp, n) and (2 kp + 1, n) of a
-// k-major operand, which is what one register of an mma fragment holds, so a
-// fragment register is one 32-bit shared-memory load per part and the split
-// into parts happens once per element, while staging. Row lengths of 8 mod 32
-// words make the fragment loads of a warp (rows kp + lane % 4, columns
-// lane / 4) hit 32 different banks. Staging threads take 8 columns x 4 word
-// rows per warp, so their stores are conflict-free too.
+// ---- staging: operands as planes of bf16 parts ------------------------------------
+// P, Q: token rows of pair words, word (t, kp) = elements (t, 2 kp), (t, 2 kp + 1),
+// which is what one register of an mma fragment holds (rows t = lane / 4,
+// words kp = lane % 4: 12 mod 32 words per row puts a warp's 32 loads in 32
+// banks). A bf16 row is its own pair words, so exact bf16 operands are copied
+// 16 bytes at a time, coalesced. R: token rows of bf16, read by ldmatrix.trans
+// (144-byte rows: the 8 rows of a matrix fall in 8 different bank groups). F:
+// rows kp of pair words (elements (2 kp, n), (2 kp + 1, n)), 8 mod 32 words.
+// fp32 operands are split into their three parts once, while staging.
 
 constexpr int kBatch = 4;  // staging items per thread in flight
 
@@ -149,56 +151,105 @@ struct TokenSrc {
   }
 };
 
-// Feature-indexed planes (P, Q): word (kp, t) = (src(t, 2 kp), src(t, 2 kp + 1)),
-// kp < kp_end, t < kC.
+// P or Q planes: word (t, kp) for t < kC, kp < kp_end. `fast`: the operand
+// is bf16 (one part) with width % 8 == 0 and 16-byte aligned rows, so its
+// rows are copied 16 bytes at a time and only the padding words are formed.
 template <int kParts, typename T>
-__device__ void StageFeatureWords(const TokenSrc<T>& src, int kp_end, uint32_t* dst) {
-  const int total = kp_end * kC;
-  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
-    float x[kBatch][2];
+__device__ void StageTokenWords(const TokenSrc<T>& src, int kp_end, bool fast, uint32_t* dst) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int kp0 = 0;  // words formed below from here on
+  if constexpr (sizeof(T) != 2) fast = false;
+  if (fast) {
+    const int nq = src.width / 8, total = src.ce * nq;  // 16-byte pieces
+    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
+      uint4 x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e / nq, q = e - t * nq;
+        if (e < total) x[u] = __ldg(reinterpret_cast<const uint4*>(src.base + t * src.stride) + q);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e / nq, q = e - t * nq;
+        if (e < total) *reinterpret_cast<uint4*>(&dst[t * kLdT + 4 * q]) = x[u];
+      }
+    }
+    kp0 = src.width / 2;
+  }
+  // The other words, 8 per row and 4 rows per warp task, one pair per lane.
+  const int nkg = (kp_end - kp0 + 7) / 8;
+  for (int task0 = warp; task0 < kC / 4 * nkg; task0 += kThreads / 32 * kBatch) {
+    float2 x[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, wt = e >> 5, lane = e & 31;
-      const int t = 8 * (wt & 15) + (lane & 7), kp = 4 * (wt >> 4) + (lane >> 3);
-      const float2 xy = e < total ? src.GetPair(t, 2 * kp) : make_float2(0.f, 0.f);
-      x[u][0] = xy.x;
-      x[u][1] = xy.y;
+      const int task = task0 + u * (kThreads / 32), tg = task / nkg;
+      const int t = 4 * tg + (lane >> 3), kp = kp0 + 8 * (task - tg * nkg) + (lane & 7);
+      x[u] = task < kC / 4 * nkg && kp < kp_end && (!fast || t < src.ce)
+                 ? src.GetPair(t, 2 * kp)
+                 : make_float2(0.f, 0.f);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, wt = e >> 5, lane = e & 31;
-      const int t = 8 * (wt & 15) + (lane & 7), kp = 4 * (wt >> 4) + (lane >> 3);
-      if (e >= total) continue;
+      const int task = task0 + u * (kThreads / 32), tg = task / nkg;
+      const int t = 4 * tg + (lane >> 3), kp = kp0 + 8 * (task - tg * nkg) + (lane & 7);
+      if (task >= kC / 4 * nkg || kp >= kp_end) continue;
       uint32_t w[3];
-      Split<kParts>(x[u][0], x[u][1], w);
+      Split<kParts>(x[u].x, x[u].y, w);
 #pragma unroll
-      for (int q = 0; q < kParts; ++q) dst[q * kPlaneT + kp * kLdT + t] = w[q];
+      for (int q = 0; q < kParts; ++q) dst[q * kPlaneT + t * kLdT + kp] = w[q];
+    }
+  }
+  if (fast) {  // rows past the chunk's end
+    for (int e = threadIdx.x; e < (kC - src.ce) * kp0; e += kThreads) {
+      const int t = src.ce + e / kp0;
+      dst[t * kLdT + e % kp0] = 0u;
     }
   }
 }
 
-// Token-indexed planes (R): word (tp, j) = (src(2 tp, j), src(2 tp + 1, j)),
-// tp < kC / 2, j < kW.
+// R planes: bf16 (t, j) for t < kC, j < kW (zero past ce and width).
+// `fast` as for StageTokenWords.
 template <int kParts, typename T>
-__device__ void StageTokenWords(const TokenSrc<T>& src, uint32_t* dst) {
-  constexpr int kTotal = kC / 2 * kW;
-  for (int e0 = threadIdx.x; e0 < kTotal; e0 += kThreads * kBatch) {
-    float x[kBatch][2];
+__device__ void StageRowsBf16(const TokenSrc<T>& src, bool fast, __nv_bfloat16* dst) {
+  if constexpr (sizeof(T) != 2) fast = false;
+  if (fast) {
+    const int nq = src.width / 8;
+    for (int e0 = threadIdx.x; e0 < kC * (kW / 8); e0 += kThreads * kBatch) {
+      uint4 x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 3, q = e & 7;
+        x[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (t < src.ce && q < nq) {
+          x[u] = __ldg(reinterpret_cast<const uint4*>(src.base + t * src.stride) + q);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 3, q = e & 7;
+        *reinterpret_cast<uint4*>(&dst[t * kLdR + 8 * q]) = x[u];
+      }
+    }
+    return;
+  }
+  for (int e0 = threadIdx.x; e0 < kC * kW; e0 += kThreads * kBatch) {
+    float x[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, wt = e >> 5, lane = e & 31;
-      const int j = 8 * (wt & 7) + (lane & 7), tp = 4 * (wt >> 3) + (lane >> 3);
-      x[u][0] = src.Get(2 * tp, j);
-      x[u][1] = src.Get(2 * tp + 1, j);
+      const int e = e0 + u * kThreads;
+      x[u] = src.Get(e >> 6, e & (kW - 1));
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, wt = e >> 5, lane = e & 31;
-      const int j = 8 * (wt & 7) + (lane & 7), tp = 4 * (wt >> 3) + (lane >> 3);
-      uint32_t w[3];
-      Split<kParts>(x[u][0], x[u][1], w);
+      const int e = e0 + u * kThreads, t = e >> 6, j = e & (kW - 1);
+      // The parts of x: x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2).
+      float rest = x[u];
 #pragma unroll
-      for (int q = 0; q < kParts; ++q) dst[q * kPlaneR + tp * kLdN + j] = w[q];
+      for (int q = 0; q < kParts; ++q) {
+        const __nv_bfloat16 part = __float2bfloat16_rn(rest);
+        dst[q * 2 * kPlaneR + t * kLdR + j] = part;
+        rest -= __bfloat162float(part);
+      }
     }
   }
 }
@@ -251,7 +302,56 @@ __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
 }
 
 // Operand A (16 rows from m0, k16 from k) or B (n-tile from n, k16 from k) of
-// an mma from kParts planes of pair words with `ld` words per row.
+// an mma from kParts planes of pair words, token rows (P, Q: word (t, kp) at
+// t * kLdT + kp).
+template <int kParts>
+struct TokenWords {
+  const uint32_t* w;
+  __device__ __forceinline__ void LoadA(int k, int m0, uint32_t (&a)[4][3]) const {
+    const int lane = threadIdx.x & 31;
+    const uint32_t* s = w + (m0 + (lane >> 2)) * kLdT + k / 2 + (lane & 3);
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      a[0][q] = s[q * kPlaneT];                 // row g,     k 2tq, 2tq + 1
+      a[1][q] = s[q * kPlaneT + 8 * kLdT];      // row g + 8
+      a[2][q] = s[q * kPlaneT + 4];             // row g,     k 2tq + 8, + 9
+      a[3][q] = s[q * kPlaneT + 8 * kLdT + 4];  // row g + 8
+    }
+  }
+  __device__ __forceinline__ void LoadB(int k, int n, uint32_t (&b)[2][3]) const {
+    const int lane = threadIdx.x & 31;
+    const uint32_t* s = w + (n + (lane >> 2)) * kLdT + k / 2 + (lane & 3);
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      b[0][q] = s[q * kPlaneT];      // k 2tq, 2tq + 1, column g
+      b[1][q] = s[q * kPlaneT + 4];  // k 2tq + 8, + 9
+    }
+  }
+};
+
+// Operand B from kParts planes of bf16 token rows (R: element (t, j) at
+// t * kLdR + j): ldmatrix.trans of the two 8 x 8 blocks (k, k + 8) x (n .. n + 8).
+template <int kParts>
+struct RowsB {
+  const __nv_bfloat16* x;
+  __device__ __forceinline__ void LoadB(int k, int n, uint32_t (&b)[2][3]) const {
+    const int lane = threadIdx.x & 31;
+    const uint32_t addr =
+        static_cast<uint32_t>(__cvta_generic_to_shared(x + (k + (lane & 15)) * kLdR + n));
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                   : "=r"(b[0][q]), "=r"(b[1][q])
+                   : "r"(addr + q * 4 * kPlaneR));
+#else
+      __trap();
+#endif
+    }
+  }
+};
+
+// The same for pair words in rows kp (F: word (kp, n) at kp * ld + n).
 template <int kParts>
 struct Words {
   const uint32_t* w;
@@ -367,7 +467,7 @@ struct TileTraits {
 
 template <Kind kKind, typename In>
 __global__ void __launch_bounds__(kThreads, 1)
-    ChunkTileMmaKernel(SmatCudaDims d, bool pairs, const In* __restrict__ phi,
+    ChunkTileMmaKernel(SmatCudaDims d, bool pairs, bool wide, const In* __restrict__ phi,
                        const In* __restrict__ psi,
                        const In* __restrict__ v, const float* __restrict__ gbar,
                        const float* __restrict__ lam, const float* __restrict__ cd,
@@ -410,26 +510,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   const TokenSrc<float> sg{gbar != nullptr ? gbar + row0 * p : nullptr,
                            static_cast<int64_t>(d.H) * p, p, ce, false, false};
   const int kp_end = K1pad / 2;
+  // 16-byte copies of bf16 rows: widths of whole 16-byte pieces, aligned rows.
+  constexpr bool kBf16 = std::is_same<In, __nv_bfloat16>::value;
+  const bool fast_r = kBf16 && wide && r % 8 == 0, fast_v = kBf16 && wide && dv % 8 == 0;
+  __nv_bfloat16* Rb = reinterpret_cast<__nv_bfloat16*>(R);
   if constexpr (kKind == Kind::kForward) {
-    StageFeatureWords<kPP>(spsi, kp_end, P);
-    StageFeatureWords<kPQ>(sphi, kp_end, Q);
-    StageTokenWords<kPR>(TokenSrc<In>{svbar.base, svbar.stride, dv, ce, false, false}, R);
+    StageTokenWords<kPP>(spsi, kp_end, fast_r, P);
+    StageTokenWords<kPQ>(sphi, kp_end, fast_r, Q);
+    StageRowsBf16<kPR>(TokenSrc<In>{svbar.base, svbar.stride, dv, ce, false, false}, fast_v, Rb);
     StageMatrixWords(Mk, r, p, dv, false, kp_end, F);
     for (int j = tid; j < kW; j += kThreads) scol[j] = j < r ? __ldg(&Mk[j * p + dv]) : 0.f;
   } else if constexpr (kKind == Kind::kQuery) {
-    StageFeatureWords<kPP>(svbar, kp_end, P);
-    StageFeatureWords<kPQ>(sg, kp_end, Q);
-    StageTokenWords<kPR>(spsi, R);
+    StageTokenWords<kPP>(svbar, kp_end, fast_v, P);
+    StageTokenWords<kPQ>(sg, kp_end, false, Q);
+    StageRowsBf16<kPR>(spsi, fast_r, Rb);
     StageMatrixWords(Mk, r, p, r, true, kp_end, F);
   } else if constexpr (kKind == Kind::kKeyPsi) {
-    StageFeatureWords<kPP>(sg, kp_end, P);
-    StageFeatureWords<kPQ>(svbar, kp_end, Q);
-    StageTokenWords<kPR>(sphi, R);
+    StageTokenWords<kPP>(sg, kp_end, false, P);
+    StageTokenWords<kPQ>(svbar, kp_end, fast_v, Q);
+    StageRowsBf16<kPR>(sphi, fast_r, Rb);
     StageMatrixWords(Mk, r, p, r, true, kp_end, F);
   } else {
-    StageFeatureWords<kPP>(sphi, kp_end, P);
-    StageFeatureWords<kPQ>(spsi, kp_end, Q);
-    StageTokenWords<kPR>(TokenSrc<float>{sg.base, sg.stride, dv, ce, false, false}, R);
+    StageTokenWords<kPP>(sphi, kp_end, fast_r, P);
+    StageTokenWords<kPQ>(spsi, kp_end, fast_r, Q);
+    StageRowsBf16<kPR>(TokenSrc<float>{sg.base, sg.stride, dv, ce, false, false}, false, Rb);
     StageMatrixWords(Mk, r, p, dv, false, kp_end, F);
   }
   if (tid < kC) {
@@ -458,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float x = 0.f;
 #pragma unroll
       for (int q = 0; q < kPQ; ++q) {
-        const float2 f = UnpackBf16(Q[q * kPlaneT + (j >> 1) * kLdT + t]);
+        const float2 f = UnpackBf16(Q[q * kPlaneT + t * kLdT + (j >> 1)]);
         x += (j & 1) ? f.y : f.x;
       }
       a = fmaf(x, scol[j], a);
@@ -477,8 +581,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     WarpAcc acc;
     acc.Zero();
     if (live && jlo < jhi) {
-      WarpMma<kPP, kPQ>(acc, Words<kPP>{P, kLdT, kPlaneT}, m0, Words<kPQ>{Q, kLdT, kPlaneT},
-                        64 * hh, 0, K1pad, jlo, jhi);
+      WarpMma<kPP, kPQ>(acc, TokenWords<kPP>{P}, m0, TokenWords<kPQ>{Q}, 64 * hh, 0, K1pad,
+                        jlo, jhi);
     }
     // Gate and mask; the dead tiles hold zeros (their accumulators are 0).
 #pragma unroll
@@ -502,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     WarpAcc acc;
     acc.Zero();
     if (live) {
-      WarpMma<kPQ, 3>(acc, Words<kPQ>{Q, kLdT, kPlaneT}, m0, Words<3>{F, kLdN, kPlaneF}, 0, 0,
+      WarpMma<kPQ, 3>(acc, TokenWords<kPQ>{Q}, m0, Words<3>{F, kLdN, kPlaneF}, 0, 0,
                       K1pad, 0, 8);
     }
 #pragma unroll
@@ -539,8 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // out row s sums queries t >= s >= m0.
     const int k0 = kRowsAreKeys ? 0 : m0;
     const int k1 = kRowsAreKeys ? min(kLive, m0 + 16) : kLive;
-    WarpMma<3, kPR>(main, SplitFloatsA{X, kLdX}, m0, Words<kPR>{R, kLdN, kPlaneR}, 0, k0, k1, 0,
-                    8);
+    WarpMma<3, kPR>(main, SplitFloatsA{X, kLdX}, m0, RowsB<kPR>{Rb}, 0, k0, k1, 0, 8);
   }
 
   // ---- outputs ----
@@ -589,8 +692,9 @@ cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, 
   const uintptr_t align = reinterpret_cast<uintptr_t>(phi) | reinterpret_cast<uintptr_t>(psi) |
                           reinterpret_cast<uintptr_t>(v);
   const bool pairs = d.r % 2 == 0 && d.dv % 2 == 0 && align % (2 * sizeof(In)) == 0;
+  const bool wide = align % 16 == 0;  // with r or dv % 8 == 0: 16-byte aligned bf16 rows
   const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
-  kernel<<<grid, kThreads, kSmem, stream>>>(d, pairs, static_cast<const In*>(phi),
+  kernel<<<grid, kThreads, kSmem, stream>>>(d, pairs, wide, static_cast<const In*>(phi),
                                             static_cast<const In*>(psi),
                                             static_cast<const In*>(v), gbar, lam, cd, M, out);
   return cudaGetLastError();
@@ -604,8 +708,13 @@ cudaError_t LaunchAny(const SmatCudaDims& d, const void* phi, const void* psi, c
                 : LaunchKind<kKind, float>(d, phi, psi, v, gbar, lam, cd, M, out, stream);
 }
 
-}  // namespace
+// Which tiles run by default where both fit (SMAT_CUDA_CHUNK_TILES = "mma" or
+// "ffma" overrides): the faster on an H200 at the benchmark shape
+// (docs/PERFORMANCE.md).
+constexpr bool kMmaForwardByDefault = true;
+constexpr bool kMmaBackwardByDefault = true;
 
+}  // namespace
 
 bool SmatChunkMmaTilesFit(const SmatCudaDims& d) {
   if (!SmatChunkFastTilesFit(d)) return false;
@@ -619,10 +728,12 @@ bool SmatChunkMmaTilesFit(const SmatCudaDims& d) {
   return major >= 8 && static_cast<int64_t>(smem) >= SmatChunkMmaTilesSmemBytes();
 }
 
-bool SmatUseMmaChunkTiles(const SmatCudaDims& d) {
+bool SmatUseMmaChunkTiles(const SmatCudaDims& d, bool backward) {
   const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
   if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
-  return SmatChunkMmaTilesFit(d);
+  if (!SmatChunkMmaTilesFit(d)) return false;
+  if (env != nullptr && std::strcmp(env, "mma") == 0) return true;
+  return backward ? kMmaBackwardByDefault : kMmaForwardByDefault;
 }
 
 int64_t SmatChunkMmaTilesSmemBytes() { return kMaxSmemBytes; }

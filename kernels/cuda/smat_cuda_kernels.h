@@ -211,10 +211,11 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const v
 // accumulation; fp32 operands split into three bf16 parts, so results stay at
 // fp32 accuracy). LaunchSmatChunkOutputs(Backward)Fast use them when
 // SmatUseMmaChunkTiles: the sizes fit the fast tiles, the device has them
-// (sm_80 or later, SmatChunkMmaTilesSmemBytes of shared memory per block) and
-// SMAT_CUDA_CHUNK_TILES is not "ffma" (the FFMA tiles, kept for comparison).
+// (sm_80 or later, SmatChunkMmaTilesSmemBytes of shared memory per block), and
+// SMAT_CUDA_CHUNK_TILES is "mma", or unset and the pass (forward or backward)
+// runs faster on them (the FFMA tiles with "ffma", kept for comparison).
 bool SmatChunkMmaTilesFit(const SmatCudaDims& dims);
-bool SmatUseMmaChunkTiles(const SmatCudaDims& dims);
+bool SmatUseMmaChunkTiles(const SmatCudaDims& dims, bool backward);
 int64_t SmatChunkMmaTilesSmemBytes();
 cudaError_t LaunchSmatChunkOutputsMma(const SmatCudaDims& dims, const void* phi, const void* psi,
                                       const void* v, const float* lam, const float* S_in,
