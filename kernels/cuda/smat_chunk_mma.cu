@@ -3,8 +3,8 @@
 // and fp32 accumulation, for c <= 128 tokens and r, dv <= 64 (the sizes of the
 // FFMA tiles of smat_chunk_fast.cu, which stay selectable with
 // SMAT_CUDA_CHUNK_TILES=ffma and serve devices without the shared memory). By
-// default the forward tile runs here and the three backward tiles on FFMA
-// (the faster of each pass; SMAT_CUDA_CHUNK_TILES=mma runs all four here).
+// default the forward tile of bf16 inputs runs here, the others on FFMA (the
+// faster of each; SMAT_CUDA_CHUNK_TILES=mma runs all four here).
 //
 // The four tiles have the shape of smat_chunk_fast.cu (see its table):
 //   X[row][col] = gate * (P[:, row] . Q[:, col]), masked to s <= t   (score)
@@ -533,11 +533,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 // Which tiles run by default where both fit (SMAT_CUDA_CHUNK_TILES = "mma" or
-// "ffma" overrides): the faster pass on an H200 at the benchmark shape (bf16,
-// r = dv = 64, c = 128, 2026-11-30): forward 4.95 ms here against 6.04 ms with
-// FFMA; backward 35.9 ms against 21.7 ms, so the backward keeps the FFMA tiles
-// (see docs/PERFORMANCE.md for why and what would change that).
-constexpr bool kMmaForwardByDefault = true;
+// "ffma" overrides): the faster on an H200 at the benchmark shape (r = dv = 64,
+// c = 128, 2026-11-30). Forward, bf16 inputs: 4.95 ms here against 6.04 ms
+// with FFMA (gated 5.96 against 6.32); fp32 inputs, whose every product takes
+// 6 MMAs and splits on every fragment load: 7.94 against 6.71. Backward:
+// 35.9 ms against 21.7 ms. See docs/PERFORMANCE.md for why.
+constexpr bool kMmaForwardBf16ByDefault = true;
+constexpr bool kMmaForwardF32ByDefault = false;
 constexpr bool kMmaBackwardByDefault = false;
 
 template <Kind kKind, typename In>
@@ -586,7 +588,8 @@ bool SmatUseMmaChunkTiles(const SmatCudaDims& d, bool backward) {
   if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
   if (!SmatChunkMmaTilesFit(d)) return false;
   if (env != nullptr && std::strcmp(env, "mma") == 0) return true;
-  return backward ? kMmaBackwardByDefault : kMmaForwardByDefault;
+  if (backward) return kMmaBackwardByDefault;
+  return d.bf16 ? kMmaForwardBf16ByDefault : kMmaForwardF32ByDefault;
 }
 
 int64_t SmatChunkMmaTilesSmemBytes() { return sizeof(float) * kSmemFloats; }

@@ -212,8 +212,8 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const v
 // fp32 accuracy). LaunchSmatChunkOutputs(Backward)Fast use them when
 // SmatUseMmaChunkTiles: the sizes fit the fast tiles, the device has them
 // (sm_80 or later, SmatChunkMmaTilesSmemBytes of shared memory per block), and
-// SMAT_CUDA_CHUNK_TILES is "mma", or unset and the pass (forward or backward)
-// runs faster on them (the FFMA tiles with "ffma", kept for comparison).
+// SMAT_CUDA_CHUNK_TILES is "mma", or unset and the tile runs faster on them
+// (today the forward tile of bf16 inputs; "ffma" keeps the FFMA tiles).
 bool SmatChunkMmaTilesFit(const SmatCudaDims& dims);
 bool SmatUseMmaChunkTiles(const SmatCudaDims& dims, bool backward);
 int64_t SmatChunkMmaTilesSmemBytes();

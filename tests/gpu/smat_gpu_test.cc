@@ -6,10 +6,11 @@
 // positional and content maps, whole spans and spans starting inside the
 // sequence, fp32 and bf16 inputs. SMAT_CUDA_CHUNK_TILES picks the chunk-tile
 // kernels checked where the fast sizes fit (c <= 128, r, dv <= 64: every case
-// below): unset, the tensor-core forward tile (smat_chunk_mma.cu) and the FFMA
-// backward tiles; "mma", tensor cores for all four; "ffma", the FFMA tiles of
-// smat_chunk_fast.cu; "general", the general kernels (smat_chunk.cu). Run all
-// four when any changes. Device outputs are NaN-poisoned before each
+// below): unset, the tensor-core forward tile (smat_chunk_mma.cu) for bf16
+// inputs and FFMA tiles otherwise; "mma", tensor cores for all four; "ffma",
+// the FFMA tiles of smat_chunk_fast.cu; "general", the general kernels
+// (smat_chunk.cu). Run all four when any changes. Device outputs are
+// NaN-poisoned before each
 // phase; accumulated (+=) outputs start from the same random values on both
 // sides; the same inputs twice give the same bits.
 //
