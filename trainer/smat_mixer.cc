@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/rng.h"
 #include "core/status.h"
+#include "kernels/smat.h"
 #include "trainer/layers.h"
 #include "trainer/phase_timer.h"
 
@@ -207,8 +208,18 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   in.eps = eps_;
   {
     PhaseScope phase(be, "fwd.mixer.smat");
-    SMAT_RETURN_IF_ERROR(
-        SequenceParallelSmatForward(be, *step.comm, *step.plan, step.spans, in, &a->smat));
+    if (step.comm->size() == 1) {
+      // The whole sequence on this rank: the single-device op, without the
+      // sequence-parallel exchanges (host round trips of the span states and
+      // collectives over one rank) that a span of a longer sequence needs.
+      SmatForwardOutputs f;
+      SMAT_RETURN_IF_ERROR(SmatForward(be, *step.plan, in, &f));
+      a->smat.o = f.o;
+      a->smat.saved.local = f.saved;
+    } else {
+      SMAT_RETURN_IF_ERROR(
+          SequenceParallelSmatForward(be, *step.comm, *step.plan, step.spans, in, &a->smat));
+    }
   }
 
   SMAT_ASSIGN_OR_RETURN(*out, NewActivation(be, {N, W}));
@@ -236,9 +247,17 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
   SmatGradients g;
   {
     PhaseScope phase(be, "bwd.mixer.smat");
-    SMAT_RETURN_IF_ERROR(SequenceParallelSmatBackward(be, *step.comm, *step.plan, step.spans,
-                                                      in, a.smat, d_o.View(0, {nb, L, H_, dv_}),
-                                                      &g));
+    if (step.comm->size() == 1) {
+      SmatForwardOutputs f;
+      f.o = a.smat.o;
+      f.saved = a.smat.saved.local;
+      SMAT_RETURN_IF_ERROR(
+          SmatBackward(be, *step.plan, in, f, d_o.View(0, {nb, L, H_, dv_}), &g));
+    } else {
+      SMAT_RETURN_IF_ERROR(SequenceParallelSmatBackward(be, *step.comm, *step.plan, step.spans,
+                                                        in, a.smat,
+                                                        d_o.View(0, {nb, L, H_, dv_}), &g));
+    }
   }
 
   SMAT_ASSIGN_OR_RETURN(*dx, NewZeros(be, {N, W}));

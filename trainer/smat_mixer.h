@@ -9,7 +9,9 @@
 //                                                         kernels/feature_map.h or ModelKernels)
 //   [key gate]    psi *= sigmoid(x Wkg^T + bkg)            per token and head
 //   [gated]       logg = -softplus(x Wdecay^T + bdecay)    per token and head (Eq. 13)
-//   o = SMat(phi, psi, v, logg; prof, type)               sequence-parallel op
+//   o = SMat(phi, psi, v, logg; prof, type)               sequence-parallel op (the
+//                                                         single-device op when the
+//                                                         sequence group has one rank)
 //   out = o Wo^T
 //
 // Routing (which distant keys a recent query reads) is positional or hashed
@@ -77,7 +79,9 @@ struct MixerActivations {
   // with run.bf16 their bf16 casts (CUDA), or on the CPU, whose SMat kernels are
   // fp32, the same bf16-rounded values widened back to fp32.
   Tensor smat_phi, smat_psi, smat_v;
-  SpSmatForwardOutputs smat;            // o [batch, L, H, dv] and the op's saved state
+  // o [batch, L, H, dv] and the op's saved state (a one-rank group: the
+  // single-device op's, in saved.local)
+  SpSmatForwardOutputs smat;
   int64_t Bytes() const;                // every defined tensor above (shared buffers once)
 };
 
