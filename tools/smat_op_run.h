@@ -68,8 +68,8 @@ absl::StatusOr<SmatOpOperands> ReadSmatOpOperands(const std::string& dir, SmatOp
 absl::StatusOr<SmatPlan> PlanSmatOp(const SmatOpConfig& cfg, int64_t T);
 
 // The compute step: forward / backward through the SMat op on cfg.device
-// (kernels/smat.h via CreateBackend), or decoding token by token on the host
-// (kernels/decode.h). Host tensors in, host tensors out.
+// (kernels/smat.h via CreateBackend), or decoding token by token with the backend's decoder
+// (kernels/decode.h, Backend::CreateDecoder). Host tensors in, host tensors out.
 absl::StatusOr<SmatOpResults> ComputeSmatOp(const SmatOpConfig& cfg, const SmatPlan& plan,
                                             const SmatOpOperands& operands);
 
