@@ -28,6 +28,7 @@
 #include "absl/types/span.h"
 #include "core/tensor.h"
 #include "kernels/backend.h"
+#include "kernels/feature_map.h"
 
 namespace smat {
 
@@ -89,6 +90,20 @@ class ModelKernels {
   // (both overwritten).
   virtual absl::Status SigmoidScaleBackward(const Tensor& x, const Tensor& g, const Tensor& dy,
                                             Tensor& dx, Tensor& dg, Stream* stream = nullptr) = 0;
+
+  // --- the feature maps of kernels/feature_map.h (model.feature_map ELU_PLUS_ONE, RELU)
+  // y = f(x) element by element, the very functions of kernels/feature_map.h:
+  //   kEluPlusOne: x + 1 (x > 0), exp(x) (x <= 0);  kReluEps: max(x, 0) + 1e-3.
+  // x, y fp32 of one shape; y may alias x. The CPU runs the host loops of
+  // feature_map.h; the CUDA kernels give the same bits except where
+  // kEluPlusOne takes exp(x) (x <= 0): CUDA's expf is within 2 ulp of glibc's.
+  //   SMAT_RETURN_IF_ERROR(mk->FeatureMapForward(FeatureMap::kEluPlusOne, q, phi, stream));
+  virtual absl::Status FeatureMapForward(FeatureMap f, const Tensor& x, Tensor& y,
+                                         Stream* stream = nullptr) = 0;
+  // dx = f'(x) dy (overwritten; dx may alias dy): dy where x > 0; where x <= 0,
+  // exp(x) dy (kEluPlusOne) or 0 (kReluEps).
+  virtual absl::Status FeatureMapBackward(FeatureMap f, const Tensor& x, const Tensor& dy,
+                                          Tensor& dx, Stream* stream = nullptr) = 0;
 
   // --- feature maps beyond kernels/feature_map.h (model.feature_map) ------------------
   // SOFTPLUS: y = softplus(x) = log(1 + e^x) > 0. x, y same shape (y may alias x).

@@ -49,6 +49,15 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Matrix(const Tensor& t, const char* 
 
 float Sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
+// InvalidArgument unless f is one of the FeatureMap enumerators (a value cast
+// from elsewhere would reach the host loops' SMAT_CHECK).
+absl::Status ExpectFeatureMap(FeatureMap f, const char* op) {
+  if (f == FeatureMap::kEluPlusOne || f == FeatureMap::kReluEps) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(op, ": unknown feature map ",
+                                                 static_cast<int>(f),
+                                                 "; expected kEluPlusOne or kReluEps"));
+}
+
 class CpuModelKernels final : public ModelKernels {
  public:
   absl::Status EmbeddingForward(const Tensor& table, const Tensor& ids, Tensor& out,
@@ -265,6 +274,25 @@ class CpuModelKernels final : public ModelKernels {
       for (int64_t j = 0; j < r; ++j) gx[i * r + j] = s * gy[i * r + j];
       gg[i] = static_cast<float>(dot) * s * (1.f - s);
     }
+    return absl::OkStatus();
+  }
+
+  absl::Status FeatureMapForward(FeatureMap f, const Tensor& x, Tensor& y, Stream*) override {
+    SMAT_RETURN_IF_ERROR(ExpectFeatureMap(f, "FeatureMapForward"));
+    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapForward", "x"));
+    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), "FeatureMapForward", "y"));
+    // The host loop of kernels/feature_map.h (qualified: this member hides it).
+    smat::FeatureMapForward(f, x.data<float>(), y.data<float>(), x.numel());
+    return absl::OkStatus();
+  }
+
+  absl::Status FeatureMapBackward(FeatureMap f, const Tensor& x, const Tensor& dy, Tensor& dx,
+                                  Stream*) override {
+    SMAT_RETURN_IF_ERROR(ExpectFeatureMap(f, "FeatureMapBackward"));
+    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapBackward", "x"));
+    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), "FeatureMapBackward", "dy"));
+    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), "FeatureMapBackward", "dx"));
+    smat::FeatureMapBackward(f, x.data<float>(), dy.data<float>(), dx.data<float>(), x.numel());
     return absl::OkStatus();
   }
 

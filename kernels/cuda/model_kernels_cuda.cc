@@ -21,6 +21,12 @@ namespace smat {
 namespace {
 
 static_assert(kCudaShortConvWidth == kShortConvWidth, "model_kernels_kernels.h is out of date");
+static_assert(static_cast<int>(CudaFeatureMap::kEluPlusOne) ==
+                      static_cast<int>(FeatureMap::kEluPlusOne) &&
+                  static_cast<int>(CudaFeatureMap::kReluEps) ==
+                      static_cast<int>(FeatureMap::kReluEps) &&
+                  kCudaReluFeatureFloor == kReluFeatureFloor,
+              "model_kernels_kernels.h is out of date");
 
 // Stream-ordered scratch memory, freed on the stream when it goes out of scope.
 class Scratch {
@@ -187,6 +193,29 @@ class CudaModelKernels final : public ModelKernels {
   absl::Status SoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx,
                                 Stream* stream) override {
     return SigmoidTimes(x, dy, dx, /*negate=*/false, "SoftplusBackward", stream);
+  }
+
+  // --------------------------------------------------------------- feature maps
+  absl::Status FeatureMapForward(FeatureMap f, const Tensor& x, Tensor& y,
+                                 Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(CudaFeatureMap map, ToCuda(f, "FeatureMapForward"));
+    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapForward", "x"));
+    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), "FeatureMapForward", "y"));
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    return CudaStatus(LaunchFeatureMapForward(map, F32(x), F32(y), x.numel(), max_blocks_, s),
+                      "FeatureMapForward kernel");
+  }
+
+  absl::Status FeatureMapBackward(FeatureMap f, const Tensor& x, const Tensor& dy, Tensor& dx,
+                                  Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(CudaFeatureMap map, ToCuda(f, "FeatureMapBackward"));
+    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapBackward", "x"));
+    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), "FeatureMapBackward", "dy"));
+    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), "FeatureMapBackward", "dx"));
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    return CudaStatus(
+        LaunchFeatureMapBackward(map, F32(x), F32(dy), F32(dx), x.numel(), max_blocks_, s),
+        "FeatureMapBackward kernel");
   }
 
   absl::Status SigmoidScaleForward(const Tensor& x, const Tensor& g, Tensor& y,
@@ -533,6 +562,20 @@ class CudaModelKernels final : public ModelKernels {
     SMAT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
     return absl::InvalidArgumentError(
         absl::StrCat(what, " ", id, " at row ", row, " is outside [0, ", V, ")", hint));
+  }
+
+  // The kernels' enumerator for f; InvalidArgument for a value outside FeatureMap,
+  // as the CPU.
+  static absl::StatusOr<CudaFeatureMap> ToCuda(FeatureMap f, const char* op) {
+    switch (f) {
+      case FeatureMap::kEluPlusOne:
+        return CudaFeatureMap::kEluPlusOne;
+      case FeatureMap::kReluEps:
+        return CudaFeatureMap::kReluEps;
+    }
+    return absl::InvalidArgumentError(absl::StrCat(op, ": unknown feature map ",
+                                                   static_cast<int>(f),
+                                                   "; expected kEluPlusOne or kReluEps"));
   }
 
   absl::Status Softplus(const Tensor& x, Tensor& y, bool negate, const char* op, Stream* stream) {

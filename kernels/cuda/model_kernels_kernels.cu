@@ -170,6 +170,29 @@ struct SigmoidTimesOp {
     y[0] = sign * Sigmoid(x[0]) * x[1];
   }
 };
+// The feature maps of kernels/feature_map.h, operation by operation as the
+// host loops (kernels/cpu/feature_map_cpu.cc): __fadd_rn / __fmul_rn so that
+// nothing is contracted, and the accurate expf (not __expf) for std::exp.
+struct EluPlusOneForwardOp {
+  __device__ void operator()(const float (&x)[1], float (&y)[1]) const {
+    y[0] = x[0] > 0.f ? __fadd_rn(x[0], 1.f) : expf(x[0]);
+  }
+};
+struct EluPlusOneBackwardOp {  // in: x, dy; out: dx
+  __device__ void operator()(const float (&x)[2], float (&y)[1]) const {
+    y[0] = x[0] > 0.f ? x[1] : __fmul_rn(x[1], expf(x[0]));
+  }
+};
+struct ReluEpsForwardOp {
+  __device__ void operator()(const float (&x)[1], float (&y)[1]) const {
+    y[0] = __fadd_rn(x[0] > 0.f ? x[0] : 0.f, kCudaReluFeatureFloor);
+  }
+};
+struct ReluEpsBackwardOp {  // in: x, dy; out: dx
+  __device__ void operator()(const float (&x)[2], float (&y)[1]) const {
+    y[0] = x[0] > 0.f ? x[1] : 0.f;
+  }
+};
 // The AdamW update, each operation spelled out so nothing is fused.
 struct AdamWOp {  // in: w, g, m, v; out: w, m, v
   CudaAdamWScalars s;
@@ -810,6 +833,29 @@ cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64
                                int max_blocks, cudaStream_t stream) {
   return LaunchMap(Pointers<2, 1>{{x, dy}, {dx}}, n, SigmoidTimesOp{negate ? -1.f : 1.f},
                    max_blocks, stream);
+}
+
+cudaError_t LaunchFeatureMapForward(CudaFeatureMap f, const float* x, float* y, int64_t n,
+                                    int max_blocks, cudaStream_t stream) {
+  switch (f) {
+    case CudaFeatureMap::kEluPlusOne:
+      return LaunchMap(Pointers<1, 1>{{x}, {y}}, n, EluPlusOneForwardOp{}, max_blocks, stream);
+    case CudaFeatureMap::kReluEps:
+      return LaunchMap(Pointers<1, 1>{{x}, {y}}, n, ReluEpsForwardOp{}, max_blocks, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchFeatureMapBackward(CudaFeatureMap f, const float* x, const float* dy,
+                                     float* dx, int64_t n, int max_blocks, cudaStream_t stream) {
+  switch (f) {
+    case CudaFeatureMap::kEluPlusOne:
+      return LaunchMap(Pointers<2, 1>{{x, dy}, {dx}}, n, EluPlusOneBackwardOp{}, max_blocks,
+                       stream);
+    case CudaFeatureMap::kReluEps:
+      return LaunchMap(Pointers<2, 1>{{x, dy}, {dx}}, n, ReluEpsBackwardOp{}, max_blocks, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, float* y, int64_t rows,

@@ -23,6 +23,11 @@ namespace smat {
 // which this header cannot include).
 inline constexpr int kCudaShortConvWidth = 4;
 
+// FeatureMap and kReluFeatureFloor of kernels/feature_map.h (which includes
+// Abseil); model_kernels_cuda.cc checks that they agree.
+enum class CudaFeatureMap : int { kEluPlusOne = 0, kReluEps = 1 };
+inline constexpr float kCudaReluFeatureFloor = 1e-3f;
+
 // --- validation of data-dependent indices -----------------------------------------
 // *first_bad = the smallest i < n with ids[i] outside [0, V) (and, when weights
 // is not null, weights[i] != 0), or UINT64_MAX when there is none. first_bad
@@ -80,6 +85,17 @@ cudaError_t LaunchSoftplus(const float* x, float* y, int64_t n, bool negate, int
 // dx = sign * sigmoid(x) * dy.
 cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64_t n, bool negate,
                                int max_blocks, cudaStream_t stream);
+// The feature maps of kernels/feature_map.h, as its host loops:
+//   kEluPlusOne: y = x > 0 ? x + 1 : expf(x);  dx = x > 0 ? dy : dy * expf(x);
+//   kReluEps:    y = (x > 0 ? x : 0) + floor;  dx = x > 0 ? dy : 0.
+// Every fp32 operation is the host loop's (one add, one multiply, never
+// fused), so the results are bitwise the CPU's except expf(x), the accurate
+// CUDA expf (2 ulp, gradual underflow kept) where the CPU calls glibc's.
+// y may alias x, dx may alias dy. cudaErrorInvalidValue for an unknown map.
+cudaError_t LaunchFeatureMapForward(CudaFeatureMap f, const float* x, float* y, int64_t n,
+                                    int max_blocks, cudaStream_t stream);
+cudaError_t LaunchFeatureMapBackward(CudaFeatureMap f, const float* x, const float* dy,
+                                     float* dx, int64_t n, int max_blocks, cudaStream_t stream);
 // y[i, :] = x[i, :] * sigmoid(g[i]) over rows of r.
 cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, float* y, int64_t rows,
                                       int64_t r, int max_blocks, cudaStream_t stream);

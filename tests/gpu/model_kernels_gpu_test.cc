@@ -14,13 +14,17 @@
 // for elements that are differences of larger terms (the GPU sums in another
 // fixed order, and its expf / log1pf differ from glibc's by an ulp); the
 // parameter gradients summed over 1031 rows get 1e-5 of the largest magnitude.
+// The ELU and ReLU feature maps are bitwise but for exp(x), compared in ulps
+// (the reasoning is above their test).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -242,6 +246,174 @@ TEST_F(ModelKernelsGpuTest, GatesAndExpFeatureMapMatchCpu) {
     SMAT_ASSERT_OK(gmk_->ExpRowMaxBackward(gx2, Dev(y), gdy2, gdx2));
     ExpectSameBits(Host(gdx2), Host(gdx), "ExpRowMaxBackward");
   }
+}
+
+// ------------------------------------------------------------------ ELU / ReLU feature maps
+
+// Distance between two floats in representable values: the number of fp32
+// values from one to the other (+0 and -0 count as one value); NaN is as far as
+// can be from everything, so an unwritten (NaN-poisoned) element fails.
+int64_t UlpDistance(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<int64_t>::max();
+  auto ordered = [](float v) {
+    int32_t i;
+    std::memcpy(&i, &v, sizeof(i));
+    return i < 0 ? -int64_t{i & 0x7fffffff} : int64_t{i};
+  };
+  const int64_t d = ordered(a) - ordered(b);
+  return d < 0 ? -d : d;
+}
+
+uint32_t Bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return u;
+}
+
+// x over every regime of the two maps: [-8, 8] (projected queries and keys),
+// [-110, 0] (exp's gradual underflow, y subnormal for x in [-103.9, -87.4],
+// and y = 0 below), magnitudes 1e-30 .. 1e30 of both signs, and planted zeros
+// of both signs, subnormals, the ends of exp's normal range and infinities.
+std::vector<float> FeatureMapInputs(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.f, 1.f), deep(-110.f, 0.f), decade(-30.f, 30.f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (i % 4 == 2) {
+      v[i] = deep(rng);
+    } else if (i % 4 == 3) {
+      v[i] = std::copysign(std::pow(10.f, decade(rng)), unit(rng));
+    } else {
+      v[i] = 8.f * unit(rng);
+    }
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  const float least_normal = std::numeric_limits<float>::min();
+  const float planted[] = {0.f,     -0.f,    tiny,   -tiny,   least_normal, -least_normal,
+                           1e-8f,   -1e-8f,  1.f,    -1.f,    88.f,         -87.3f,
+                           -87.4f,  -100.f,  -103.9f, -104.f, -150.f,       1e30f,
+                           -1e30f,  inf,     -inf};
+  SMAT_CHECK(n >= static_cast<int64_t>(std::size(planted)));
+  std::copy(std::begin(planted), std::end(planted), v.begin());
+  return v;
+}
+
+// +-2^k, k in [-8, 8]: a product with such a factor is exact (or, where it
+// underflows, rounded monotonically), so it keeps the ulp distance of the
+// other factor.
+std::vector<float> SignedPowersOfTwo(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> exponent(-8, 8), sign(0, 1);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& d : v) d = std::ldexp(sign(rng) ? 1.f : -1.f, exponent(rng));
+  return v;
+}
+
+// ELU_PLUS_ONE and RELU against the CPU method (the host loops of
+// kernels/feature_map.h). Tolerances: every fp32 operation of the host loops
+// is repeated unfused on the GPU, so all is bitwise except where kEluPlusOne
+// takes exp(x) (x <= 0). There CUDA's expf is within 2 ulp of exp(x)
+// (CUDA Math API, no fast math) and glibc's expf within 0.502 ulp, so within
+// a binade the two floats are at most 2 values apart: y within 2 ulp, and dx
+// within 2 ulp for power-of-two dy. For general dy, dx = dy * expf(x) rounded once, so it
+// equals (bitwise) dy times the GPU's own forward y, rounded here.
+TEST_F(ModelKernelsGpuTest, EluAndReluFeatureMapsMatchCpu) {
+  const int64_t N = 1031, r = 61, n = N * r;  // n % 4 = 3: the vector path has a tail
+  const Tensor x = HostTensor({N, r}, DType::kF32, FeatureMapInputs(n, 20));
+  const Tensor dy = Random({N, r}, 21, 2.f);
+  const Tensor dy2 = HostTensor({N, r}, DType::kF32, SignedPowersOfTwo(n, 22));
+  const Tensor gx = Dev(x), gdy = Dev(dy), gdy2 = Dev(dy2);
+  const float* xv = x.data<float>();
+  for (FeatureMap f : {FeatureMap::kEluPlusOne, FeatureMap::kReluEps}) {
+    SCOPED_TRACE(FeatureMapName(f));
+    Tensor y = *Tensor::Empty({N, r}, DType::kF32), dx = Clone(y), dx2 = Clone(y);
+    ASSERT_TRUE(cmk_->FeatureMapForward(f, x, y).ok());
+    ASSERT_TRUE(cmk_->FeatureMapBackward(f, x, dy, dx).ok());
+    ASSERT_TRUE(cmk_->FeatureMapBackward(f, x, dy2, dx2).ok());
+    Tensor gy = Poisoned({N, r}), gdx = Poisoned({N, r}), gdx2 = Poisoned({N, r});
+    SMAT_ASSERT_OK(gmk_->FeatureMapForward(f, gx, gy));
+    SMAT_ASSERT_OK(gmk_->FeatureMapBackward(f, gx, gdy, gdx));
+    SMAT_ASSERT_OK(gmk_->FeatureMapBackward(f, gx, gdy2, gdx2));
+    const Tensor hy = Host(gy), hdx = Host(gdx), hdx2 = Host(gdx2);
+    if (f == FeatureMap::kReluEps) {
+      ExpectBitwise(hy, y, "relu y");
+      ExpectBitwise(hdx, dx, "relu dx");
+      ExpectBitwise(hdx2, dx2, "relu dx (power-of-two dy)");
+    } else {
+      const float* cy = y.data<float>();
+      const float* cdx = dx.data<float>();
+      const float* cdx2 = dx2.data<float>();
+      const float* gyv = hy.data<float>();
+      const float* gdxv = hdx.data<float>();
+      const float* gdx2v = hdx2.data<float>();
+      const float* dyv = dy.data<float>();
+      int64_t linear = 0, exponential = 0, subnormal = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (xv[i] > 0.f) {  // x + 1 and dy: the CPU's bits
+          ++linear;
+          ASSERT_EQ(Bits(gyv[i]), Bits(cy[i])) << "y at x = " << xv[i] << ": " << gyv[i];
+          ASSERT_EQ(Bits(gdxv[i]), Bits(cdx[i])) << "dx at x = " << xv[i] << ": " << gdxv[i];
+          ASSERT_EQ(Bits(gdx2v[i]), Bits(cdx2[i])) << "dx at x = " << xv[i];
+          continue;
+        }
+        ++exponential;
+        if (cy[i] > 0.f && cy[i] < std::numeric_limits<float>::min()) ++subnormal;
+        ASSERT_LE(UlpDistance(gyv[i], cy[i]), 2)
+            << "y = exp(" << xv[i] << "): GPU " << gyv[i] << ", CPU " << cy[i];
+        ASSERT_LE(UlpDistance(gdx2v[i], cdx2[i]), 2)
+            << "dx at x = " << xv[i] << ": GPU " << gdx2v[i] << ", CPU " << cdx2[i];
+        const float want = dyv[i] * gyv[i];  // one fp32 product, as the kernel
+        ASSERT_EQ(Bits(gdxv[i]), Bits(want))
+            << "dx at x = " << xv[i] << ": " << gdxv[i] << ", dy * y = " << want;
+      }
+      // Both branches and exp's gradual underflow were exercised.
+      ASSERT_GT(linear, n / 4);
+      ASSERT_GT(exponential, n / 4);
+      ASSERT_GT(subnormal, 100);
+      ASSERT_GT(MaxAbs(hy), 0);
+      ASSERT_GT(MaxAbs(hdx), 0);
+    }
+    // Repeatable.
+    Tensor gy_again = Poisoned({N, r}), gdx_again = Poisoned({N, r});
+    SMAT_ASSERT_OK(gmk_->FeatureMapForward(f, gx, gy_again));
+    SMAT_ASSERT_OK(gmk_->FeatureMapBackward(f, gx, gdy, gdx_again));
+    ExpectSameBits(Host(gy_again), hy, "FeatureMapForward y");
+    ExpectSameBits(Host(gdx_again), hdx, "FeatureMapBackward dx");
+    // y may alias x, dx may alias dy.
+    Tensor in_place = Dev(x);
+    SMAT_ASSERT_OK(gmk_->FeatureMapForward(f, in_place, in_place));
+    ExpectSameBits(Host(in_place), hy, "FeatureMapForward with y aliasing x");
+    Tensor alias = Dev(dy);
+    SMAT_ASSERT_OK(gmk_->FeatureMapBackward(f, gx, alias, alias));
+    ExpectSameBits(Host(alias), hdx, "FeatureMapBackward with dx aliasing dy");
+    // Views that are not 16-byte aligned take the scalar path: the same
+    // function, so the same bits as the matching elements above.
+    const int64_t m = n - 3;
+    Tensor vy = Poisoned({m + 2}).View(2, {m}), vdx = Poisoned({m + 2}).View(2, {m});
+    SMAT_ASSERT_OK(gmk_->FeatureMapForward(f, gx.View(1, {m}), vy));
+    SMAT_ASSERT_OK(gmk_->FeatureMapBackward(f, gx.View(1, {m}), gdy.View(1, {m}), vdx));
+    EXPECT_EQ(std::memcmp(Host(vy).raw(), hy.data<float>() + 1, m * sizeof(float)), 0)
+        << "FeatureMapForward on unaligned views";
+    EXPECT_EQ(std::memcmp(Host(vdx).raw(), hdx.data<float>() + 1, m * sizeof(float)), 0)
+        << "FeatureMapBackward on unaligned views";
+  }
+  // Operands are checked and named; so is the map.
+  Tensor wrong = Poisoned({N, r - 1}), gy = Poisoned({N, r});
+  const FeatureMap elu = FeatureMap::kEluPlusOne;
+  const absl::Status s = gmk_->FeatureMapForward(elu, gx, wrong);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("FeatureMapForward: y"), std::string::npos) << s;
+  const absl::Status host_x = gmk_->FeatureMapForward(elu, x, gy);
+  EXPECT_EQ(host_x.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(host_x.message()).find("FeatureMapForward: x"), std::string::npos)
+      << host_x;
+  const absl::Status bad_dy = gmk_->FeatureMapBackward(elu, gx, wrong, gy);
+  EXPECT_EQ(bad_dy.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad_dy.message()).find("FeatureMapBackward: dy"), std::string::npos)
+      << bad_dy;
+  const absl::Status bad_map = gmk_->FeatureMapForward(static_cast<FeatureMap>(2), gx, gy);
+  EXPECT_EQ(bad_map.code(), absl::StatusCode::kInvalidArgument) << bad_map;
 }
 
 // ------------------------------------------------------------------ RMSNorm

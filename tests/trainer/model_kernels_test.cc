@@ -3,10 +3,12 @@
 // central finite differences of that reference in double, at odd sizes with
 // random inputs and random upstream gradients (so a wrong transpose or a
 // missing term cannot hide), plus the determinism the trainer relies on.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/rng.h"
@@ -227,6 +229,83 @@ TEST_F(ModelKernelsTest, SoftplusAndExpFeaturesMatchFiniteDifferences) {
     return s;
   };
   ExpectClose(dx, FiniteDifferences(f2, {ToVec(x), ToVec(dy)}, 0), "d exp features");
+}
+
+// ELU_PLUS_ONE and RELU through ModelKernels: the same bits as the host loops
+// of kernels/feature_map.h (which the trainer ran before, and which
+// tests/kernels/feature_map_test.cc checks value by value), on random inputs
+// with zeros, large magnitudes and exp underflow planted; in place; and the
+// derivative against finite differences of the definition in double.
+TEST_F(ModelKernelsTest, EluAndReluFeatureMapsEqualTheHostLoops) {
+  const int64_t M = 7, r = 13, n = M * r;
+  Tensor x = Randn({M, r}, 40, 3.f), dy = Randn({M, r}, 41);
+  const float planted[] = {0.f, -0.f, 1e-30f, -1e-30f, 50.f, -50.f, -95.f, -110.f, 1e30f, -1e30f};
+  std::memcpy(x.data<float>(), planted, sizeof(planted));
+  auto clone = [](const Tensor& t) {
+    Tensor c = *Tensor::Empty(t.shape(), t.dtype());
+    std::memcpy(c.raw(), t.raw(), t.nbytes());
+    return c;
+  };
+  for (FeatureMap f : {FeatureMap::kEluPlusOne, FeatureMap::kReluEps}) {
+    SCOPED_TRACE(FeatureMapName(f));
+    std::vector<float> want_y(n), want_dx(n);
+    FeatureMapForward(f, x.data<float>(), want_y.data(), n);
+    FeatureMapBackward(f, x.data<float>(), dy.data<float>(), want_dx.data(), n);
+    Tensor y = Zeros({M, r}), dx = Zeros({M, r});
+    ASSERT_TRUE(mk_->FeatureMapForward(f, x, y).ok());
+    ASSERT_TRUE(mk_->FeatureMapBackward(f, x, dy, dx).ok());
+    ASSERT_GT(MaxAbs(y), 0);
+    ASSERT_GT(MaxAbs(dx), 0);
+    EXPECT_EQ(std::memcmp(y.raw(), want_y.data(), y.nbytes()), 0) << "y";
+    EXPECT_EQ(std::memcmp(dx.raw(), want_dx.data(), dx.nbytes()), 0) << "dx";
+    // y may alias x, dx may alias dy.
+    Tensor in_place = clone(x);
+    ASSERT_TRUE(mk_->FeatureMapForward(f, in_place, in_place).ok());
+    EXPECT_EQ(std::memcmp(in_place.raw(), want_y.data(), y.nbytes()), 0) << "y aliasing x";
+    Tensor g = clone(dy);
+    ASSERT_TRUE(mk_->FeatureMapBackward(f, x, g, g).ok());
+    EXPECT_EQ(std::memcmp(g.raw(), want_dx.data(), dx.nbytes()), 0) << "dx aliasing dy";
+  }
+  // The definition, in double: values, and the derivative by finite
+  // differences on random x (none within h of relu's kink at 0).
+  const Tensor xr = Randn({M, r}, 42, 3.f);
+  for (FeatureMap f : {FeatureMap::kEluPlusOne, FeatureMap::kReluEps}) {
+    SCOPED_TRACE(FeatureMapName(f));
+    const bool elu = f == FeatureMap::kEluPlusOne;
+    auto phi = [elu](double v) {
+      return elu ? (v > 0 ? v + 1 : std::exp(v)) : std::max(v, 0.0) + kReluFeatureFloor;
+    };
+    Tensor y = Zeros({M, r}), dx = Zeros({M, r});
+    ASSERT_TRUE(mk_->FeatureMapForward(f, xr, y).ok());
+    ASSERT_TRUE(mk_->FeatureMapBackward(f, xr, dy, dx).ok());
+    Vec want(n);
+    for (int64_t i = 0; i < n; ++i) want[i] = phi(xr.data<float>()[i]);
+    ExpectClose(y, want, "y");
+    Fn fn = [&](const std::vector<Vec>& in) {
+      double s = 0;
+      for (int64_t i = 0; i < n; ++i) s += in[1][i] * phi(in[0][i]);
+      return s;
+    };
+    ExpectClose(dx, FiniteDifferences(fn, {ToVec(xr), ToVec(dy)}, 0), "dx");
+  }
+  // Shapes, dtypes and the map are checked, naming the operand.
+  Tensor y = Zeros({M, r}), dx = Zeros({M, r});
+  Tensor wide = Zeros({M, r + 1}), ints = *Tensor::Zeros({M, r}, DType::kI32);
+  auto expect_invalid = [](const absl::Status& s, const char* names) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find(names), std::string::npos) << s;
+  };
+  const FeatureMap elu = FeatureMap::kEluPlusOne, relu = FeatureMap::kReluEps;
+  expect_invalid(mk_->FeatureMapForward(elu, x, wide), "FeatureMapForward: y");
+  expect_invalid(mk_->FeatureMapForward(relu, ints, y), "FeatureMapForward: x");
+  expect_invalid(mk_->FeatureMapBackward(elu, x, wide, dx), "FeatureMapBackward: dy");
+  expect_invalid(mk_->FeatureMapBackward(relu, x, ints, dx), "FeatureMapBackward: dy");
+  expect_invalid(mk_->FeatureMapBackward(relu, x, dy, wide), "FeatureMapBackward: dx");
+  expect_invalid(mk_->FeatureMapBackward(elu, ints, dy, dx), "FeatureMapBackward: x");
+  expect_invalid(mk_->FeatureMapForward(static_cast<FeatureMap>(2), x, y),
+                 "FeatureMapForward: unknown feature map 2");
+  expect_invalid(mk_->FeatureMapBackward(static_cast<FeatureMap>(-1), x, dy, dx),
+                 "FeatureMapBackward: unknown feature map -1");
 }
 
 TEST_F(ModelKernelsTest, ShortConvIsCausalWithPrefixAndMatchesFiniteDifferences) {
