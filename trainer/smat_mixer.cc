@@ -59,16 +59,6 @@ absl::StatusOr<SmatMixer> SmatMixer::Create(const TrainConfig& config, MixerPara
         "config: model.feature_map = ", m.feature_map(),
         " is not a feature map; expected ELU_PLUS_ONE, RELU, SOFTPLUS or EXP"));
   }
-  // ELU_PLUS_ONE and RELU are host loops (kernels/feature_map.h); the device
-  // backends offer SOFTPLUS and EXP through ModelKernels. Refused here, while
-  // the model is built, rather than in the first forward.
-  if (!backend.device().is_cpu() && (m.feature_map() == ModelConfig::ELU_PLUS_ONE ||
-                                     m.feature_map() == ModelConfig::RELU)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config: model.feature_map = ", ModelConfig::FeatureMap_Name(m.feature_map()),
-        " runs on the CPU only; on ", backend.device().ToString(),
-        " use SOFTPLUS or EXP (--set model.feature_map=SOFTPLUS)"));
-  }
   SMAT_ASSIGN_OR_RETURN(ModelKernels * kernels, backend.model());
   SMAT_CHECK(params.wq && params.wk && params.wv && params.wo);
   SMAT_CHECK(!m.short_conv() || (params.conv_q && params.conv_k && params.conv_v));
@@ -81,9 +71,9 @@ absl::StatusOr<SmatMixer> SmatMixer::Create(const TrainConfig& config, MixerPara
 absl::Status SmatMixer::Features(const Tensor& x, Tensor& y) {
   switch (features_) {
     case ModelConfig::ELU_PLUS_ONE:
-      return FeatureMapForward(FeatureMap::kEluPlusOne, x, &y);
+      return kernels_->FeatureMapForward(FeatureMap::kEluPlusOne, x, y);
     case ModelConfig::RELU:
-      return FeatureMapForward(FeatureMap::kReluEps, x, &y);
+      return kernels_->FeatureMapForward(FeatureMap::kReluEps, x, y);
     case ModelConfig::SOFTPLUS:
       return kernels_->SoftplusForward(x, y);
     case ModelConfig::EXP: {
@@ -102,9 +92,9 @@ absl::Status SmatMixer::FeaturesBackward(const Tensor& x, const Tensor& y, const
                                          Tensor& dx) {
   switch (features_) {
     case ModelConfig::ELU_PLUS_ONE:
-      return FeatureMapBackward(FeatureMap::kEluPlusOne, x, dy, &dx);
+      return kernels_->FeatureMapBackward(FeatureMap::kEluPlusOne, x, dy, dx);
     case ModelConfig::RELU:
-      return FeatureMapBackward(FeatureMap::kReluEps, x, dy, &dx);
+      return kernels_->FeatureMapBackward(FeatureMap::kReluEps, x, dy, dx);
     case ModelConfig::SOFTPLUS:
       return kernels_->SoftplusBackward(x, dy, dx);
     case ModelConfig::EXP: {

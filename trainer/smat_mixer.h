@@ -5,8 +5,8 @@
 //   [short conv]  width-4 causal depthwise conv on q, k, v (the 3 rows before
 //                 the span come from the previous rank through the sequence
 //                 communicator; zeros at the start of the sequence)
-//   phi = f(q), psi = f(k)                                feature map (model.feature_map:
-//                                                         kernels/feature_map.h or ModelKernels)
+//   phi = f(q), psi = f(k)                                feature map (model.feature_map,
+//                                                         through ModelKernels)
 //   [key gate]    psi *= sigmoid(x Wkg^T + bkg)            per token and head
 //   [gated]       logg = -softplus(x Wdecay^T + bdecay)    per token and head (Eq. 13)
 //   o = SMat(phi, psi, v, logg; prof, type)               sequence-parallel op (the
