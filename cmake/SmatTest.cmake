@@ -3,14 +3,15 @@
 
 set(SMAT_TEST_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;NCCL_NVLS_ENABLE=0")
 
-# smat_add_gtest(NAME name SOURCES ... LIBS ... [LABELS ...] [TIMEOUT s])
-# Adds a test executable and registers it as one CTest test.
+# smat_add_gtest(NAME name SOURCES ... LIBS ... [LABELS ...] [TIMEOUT s] [ARGS ...])
+# Adds a test executable and registers it as one CTest test (run with ARGS,
+# e.g. a --gtest_filter that leaves out cases registered as another test).
 function(smat_add_gtest)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS;ARGS" ${ARGN})
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
   target_compile_options(${T_NAME} PRIVATE ${SMAT_WARNINGS})
-  add_test(NAME ${T_NAME} COMMAND ${T_NAME})
+  add_test(NAME ${T_NAME} COMMAND ${T_NAME} ${T_ARGS})
   if(NOT T_LABELS)
     set(T_LABELS unit)
   endif()
