@@ -23,10 +23,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/convert.h"
-#include "core/rng.h"
 #include "core/status.h"
 #include "kernels/smat_kernels.h"
+#include "tools/smat_bench_util.h"
 
 namespace smat {
 namespace {
@@ -47,12 +46,6 @@ struct Ceilings {
   double fp32_tflops = 0;     // Backend::Gemm, fp32 (no TF32)
 };
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Device buffers of the benchmark; `held` sums their bytes.
 class Buffers {
  public:
@@ -64,14 +57,7 @@ class Buffers {
     return t;
   }
   absl::StatusOr<Tensor> Random(Shape shape, DType dtype, uint64_t seed, float lo, float hi) {
-    SMAT_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(shape, DType::kF32));
-    SMAT_RETURN_IF_ERROR(FillUniform(host, seed, 0, lo, hi));
-    if (dtype != DType::kF32) {
-      SMAT_ASSIGN_OR_RETURN(host, ConvertDType(host, dtype));
-    }
-    SMAT_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(std::move(shape), dtype, gpu_.allocator()));
-    SMAT_RETURN_IF_ERROR(gpu_.Copy(host, t));
-    SMAT_RETURN_IF_ERROR(gpu_.Synchronize(nullptr));
+    SMAT_ASSIGN_OR_RETURN(Tensor t, RandomOnDevice(gpu_, std::move(shape), dtype, seed, lo, hi));
     held_ += static_cast<double>(t.nbytes());
     return t;
   }

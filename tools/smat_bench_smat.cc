@@ -11,29 +11,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/convert.h"
-#include "core/rng.h"
 #include "core/status.h"
 #include "kernels/smat.h"
+#include "tools/smat_bench_util.h"
 
 namespace smat {
 namespace {
-
-// Random host tensor (Philox, so a run is reproducible), moved to the backend's
-// device in `dtype`.
-absl::StatusOr<Tensor> RandomOnDevice(Backend& backend, Shape shape, DType dtype, uint64_t seed,
-                                      float lo, float hi) {
-  SMAT_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(shape, DType::kF32));
-  SMAT_RETURN_IF_ERROR(FillUniform(host, seed, 0, lo, hi));
-  if (dtype != DType::kF32) {
-    SMAT_ASSIGN_OR_RETURN(host, ConvertDType(host, dtype));
-  }
-  if (backend.device().is_cpu()) return host;
-  SMAT_ASSIGN_OR_RETURN(Tensor dev, Tensor::Empty(shape, dtype, backend.allocator()));
-  SMAT_RETURN_IF_ERROR(backend.Copy(host, dev));
-  SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
-  return dev;
-}
 
 struct BenchProblem {
   SmatPlan plan;
@@ -67,12 +50,6 @@ double ProcessCpuMs() {
   timespec ts;
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t k = v.size() / 2;
-  return v.size() % 2 ? v[k] : 0.5 * (v[k - 1] + v[k]);
 }
 
 struct Timings {

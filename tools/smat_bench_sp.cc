@@ -22,6 +22,7 @@
 #include "parallel/mpi_communicator.h"
 #include "parallel/process_group.h"
 #include "parallel/sequence_parallel_smat.h"
+#include "tools/smat_bench_util.h"
 
 namespace smat {
 namespace {
@@ -30,13 +31,6 @@ namespace {
 // many warm-up runs (the first NCCL calls set up their channels).
 constexpr int kMinGpuReps = 10;
 constexpr int kMinGpuWarmup = 2;
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t k = v.size() / 2;
-  return v.size() % 2 ? v[k] : 0.5 * (v[k - 1] + v[k]);
-}
 
 // What SequenceParallelVolume and ARCHITECTURE.md section 4 say the k-th
 // collective of kind `op` in `phase` moves per rank, in words.
