@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_fast_tiles.cuh"
 
 namespace smat {
 namespace {
@@ -76,27 +77,9 @@ static_assert(kOffR % 4 == 0 && kLdW % 4 == 0, "R rows are stored 16 bytes at a 
 
 enum class Kind { kForward, kQuery, kKeyPsi, kKeyV };
 
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-// 16 bytes of a row: 4 floats or 8 bf16, widened exactly to fp32.
-__device__ __forceinline__ void LoadVec(const float* src, float (&o)[4]) {
-  const float4 x = __ldg(reinterpret_cast<const float4*>(src));
-  o[0] = x.x;
-  o[1] = x.y;
-  o[2] = x.z;
-  o[3] = x.w;
-}
-__device__ __forceinline__ void LoadVec(const __nv_bfloat16* src, float (&o)[8]) {
-  const uint4 x = __ldg(reinterpret_cast<const uint4*>(src));
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    o[2 * i] = f.x;
-    o[2 * i + 1] = f.y;
-  }
-}
+using fast_tiles::Aligned16;
+using fast_tiles::LoadVec;
+using fast_tiles::ToF;
 
 constexpr int kBatch = 8;  // independent global loads per thread before storing
 
@@ -529,8 +512,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 }
-
-bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 // Which tiles run by default where both fit (SMAT_CUDA_CHUNK_TILES = "mma" or
 // "ffma" overrides): the faster on an H200 at the benchmark shape (r = dv = 64,

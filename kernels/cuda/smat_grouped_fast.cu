@@ -1,0 +1,338 @@
+// The fast path of the grouped SMat phases (c <= 128 tokens, r and dv <= 64):
+// the grouped outer sums (F2, profile pooling, B5, the type-table gradient)
+// and the per-token reads (F7, B2, B4), 128 tokens of a group at a time, as
+// tile products with the staging and FFMA blocking of smat_fast_tiles.cuh.
+// smat_grouped.cu holds the general kernels and picks these when the sizes
+// fit. fp32 FFMA throughout, each output summed in a fixed order, no atomics.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/smat_fast_tiles.cuh"
+
+namespace smat {
+namespace {
+
+using namespace fast_tiles;  // NOLINT: the tile pieces are this file's vocabulary
+
+// ---- grouped outer sums: chunk summaries (F2), pooling, state gradients ------
+// out[(b, g, h), seg] = sum over the segment's tokens i of group g of
+// (w_i a_i) b_i^T (r x p): a = psi or phi (input dtype), b = vbar = [v, 1] or
+// gbar (fp32, width p); LaunchSmatGroupedOuterSum's contract. grid (segments,
+// G, batch * H), 256 threads, 128 tokens staged at a time; a thread owns 4 x 4
+// outputs (16-byte operand loads, tokens in list order), and 4 threads per row
+// add column 64 (p = 65), each over every 4th token, combined in a fixed
+// order. Shared: A [kC][kW], B [kC][kLdB], w [kC], rows [kC] (int64).
+constexpr int kLdB = 68;
+constexpr int kOuterSmemFloats = kC * kW + kC * kLdB + kC + 2 * kC;
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads)
+    GroupOuterSumKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
+                        const In* __restrict__ a, const void* __restrict__ bsrc, bool b_is_v,
+                        SmatTokenWeights tw, SmatMatrixLayout lay, float* __restrict__ out) {
+  extern __shared__ float4 smem4[];
+  float* A = reinterpret_cast<float*>(smem4);
+  float* B = A + kC * kW;
+  float* w = B + kC * kLdB;
+  int64_t* rows = reinterpret_cast<int64_t*>(w + kC);
+  const int tid = threadIdx.x;
+  const int seg = blockIdx.x, g = blockIdx.y;
+  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
+  const cuda_detail::GroupCursor cur(groups, d, bh, g);
+  int64_t lo, hi;
+  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
+  const int r = d.r, p = d.p, dv = d.dv;
+  const int ty = tid >> 4, tx = tid & 15;
+  const int crow = tid >> 2, part = tid & 3;  // column-64 role
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+  float sum64 = 0.f;
+  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+    __syncthreads();  // the previous tile is consumed
+    if (tid < nt) {
+      const int64_t i = cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, b, i, h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+    }
+    __syncthreads();
+    StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, A, kW, kW, -1, w);
+    if (b_is_v) {
+      StageRows(ListedRows<In>{static_cast<const In*>(bsrc), rows, dv}, nt, dv, vec_in, B, kLdB,
+                kLdB, dv);
+    } else {
+      StageRows(ListedRows<float>{static_cast<const float*>(bsrc), rows, p}, nt, p, false, B,
+                kLdB, kLdB);
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int t = 0; t < nt; ++t) {
+      const float4 av = *reinterpret_cast<const float4*>(&A[t * kW + ty * 4]);
+      const float4 bv = *reinterpret_cast<const float4*>(&B[t * kLdB + tx * 4]);
+      const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+    }
+    if (p > kW) {
+      for (int t = part; t < nt; t += 4) sum64 = fmaf(A[t * kW + crow], B[t * kLdB + kW], sum64);
+    }
+  }
+  float* dst = out + ((static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(g) * lay.og +
+                       static_cast<int64_t>(h) * lay.oh) *
+                          segments +
+                      seg) *
+                         static_cast<int64_t>(r) * p;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = ty * 4 + i, col = tx * 4 + j;
+      if (row < r && col < p) dst[row * p + col] = acc[i][j];
+    }
+  if (p > kW) {
+    // (s0 + s1) + (s2 + s3) by the butterfly: the same bits in all four lanes.
+    sum64 += __shfl_xor_sync(0xffffffffu, sum64, 1);
+    sum64 += __shfl_xor_sync(0xffffffffu, sum64, 2);
+    if (part == 0 && crow < r) dst[crow * p + kW] = sum64;
+  }
+}
+
+// ---- per-token reads of a group's r x p matrix (F7, B2, B4) -------------------
+// The tokens of a segment of group g, 128 at a time, as a tile product with
+// the group's matrix M (see SmatReadKind):
+//   kVecMat: out_p[i] += w_i (a_i^T M)          A^T [r][128] x M [r][p]
+//   kMatVec: out_r[i] += w_i (M g_i)            G^T [p][128] x M^T [p][r]
+//   kBoth:   out_r[i] += w_i (M vbar_i),  out_v[i] += w_i (M^T a_i)[0:dv]
+// grid (segments, G, batch * H), 256 threads; rows = tokens (8 per thread),
+// 4 columns per thread, k in increasing order; column 64 of out_p (p = 65) by
+// two half sums added in order. Shared: Ma [64][kLdF] = M, Mg [kK1][kLdF] =
+// M^T, At [64][kC], Bt [kK1][kC], rows, w, partial sums.
+constexpr int kReadsSmemFloats = kW * kLdF + kK1 * kLdF + kW * kC + kK1 * kC + 2 * kC + 2 * kC +
+                                 2 * kC;  // the last 2 kC: rows, kC int64
+
+template <typename T>
+__device__ void StageTransposedRows(const T* src, int width, const int64_t* rows, int nt, int K1,
+                                    bool vec, float* dst) {
+  constexpr int V = 16 / sizeof(T);
+  if (vec) {
+    const int total = kC * (width / V);
+    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * 4) {
+      float x[4][V];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
+        if (e < total && t < nt) {
+          LoadVec(src + rows[t] * width + q * V, x[u]);
+        } else {
+#pragma unroll
+          for (int z = 0; z < V; ++z) x[u][z] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
+        if (e < total) {
+#pragma unroll
+          for (int z = 0; z < V; ++z) dst[(q * V + z) * kC + t] = x[u][z];
+        }
+      }
+    }
+  } else {
+    const int total = kC * width;
+    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
+      float x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e & (kC - 1), i = e >> 7;
+        x[u] = e < total && t < nt ? ToF(__ldg(&src[rows[t] * width + i])) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads;
+        if (e < total) dst[e] = x[u];
+      }
+    }
+  }
+  for (int e = threadIdx.x; e < kC * (K1 - width); e += kThreads) {
+    const int t = e & (kC - 1), i = width + (e >> 7);
+    dst[i * kC + t] = t < nt && i == width ? 1.f : 0.f;
+  }
+}
+
+template <SmatReadKind kRead, typename In>
+__global__ void __launch_bounds__(kThreads)
+    GroupReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
+                     const float* __restrict__ M, SmatMatrixLayout lay, const In* __restrict__ a,
+                     const In* __restrict__ v, const float* __restrict__ gsrc,
+                     SmatTokenWeights tw, float* __restrict__ out_p, float* __restrict__ out_r,
+                     float* __restrict__ out_v) {
+  constexpr bool kA = kRead != SmatReadKind::kMatVec;  // a-side product (out_p or out_v)
+  constexpr bool kG = kRead != SmatReadKind::kVecMat;  // b-side product (out_r)
+  extern __shared__ float4 smem4[];
+  float* Ma = reinterpret_cast<float*>(smem4);
+  float* Mg = Ma + kW * kLdF;
+  float* At = Mg + kK1 * kLdF;
+  float* Bt = At + kW * kC;
+  float* w = Bt + kK1 * kC;
+  float* part = w + 2 * kC;
+  int64_t* rows = reinterpret_cast<int64_t*>(part + 2 * kC);
+  const int seg = blockIdx.x, g = blockIdx.y;
+  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
+  const cuda_detail::GroupCursor cur(groups, d, bh, g);
+  int64_t lo, hi;
+  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
+  if (lo >= hi) return;  // uniform over the block
+  const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x;
+  const float* Mk = M + (static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(g) * lay.og +
+                         static_cast<int64_t>(h) * lay.oh) *
+                            static_cast<int64_t>(r) * p;
+  if (kA) StageChunkMatrix(Mk, r, p, p < kW ? p : kW, false, Ma);
+  if (kG) StageChunkMatrix(Mk, r, p, r, true, Mg);
+  const int ty = tid >> 4, tx = tid & 15, m0 = ty * 8, n0 = tx * 4;
+  const int wa = kRead == SmatReadKind::kVecMat ? p : dv;  // a-side output width
+  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+    __syncthreads();  // the previous tile's reads of At, Bt, w, rows are done
+    if (tid < nt) {
+      const int64_t i = cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, b, i, h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+    }
+    __syncthreads();
+    if (kA) StageTransposedRows(a, r, rows, nt, r, vec_in, At);
+    if (kRead == SmatReadKind::kBoth) StageTransposedRows(v, dv, rows, nt, p, vec_in, Bt);
+    if (kRead == SmatReadKind::kMatVec) StageTransposedRows(gsrc, p, rows, nt, p, false, Bt);
+    __syncthreads();
+    if (kA) {
+      float acc[8][4];
+      Zero(acc);
+      Gemm<true, false>(acc, At, kC, m0, Ma, kLdF, n0, 0, r);
+      float* out = kRead == SmatReadKind::kVecMat ? out_p : out_v;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int t = m0 + i;
+        if (t >= nt) continue;
+        float* o = out + rows[t] * wa;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const int n = n0 + jj;
+          if (n < wa && n < kW) o[n] += w[t] * acc[i][jj];
+        }
+      }
+      if (kRead == SmatReadKind::kVecMat && p > kW) {
+        // Column 64: a_t . M[:, 64] in two halves of r, added in order.
+        const int t = tid & (kC - 1), half = tid >> 7;
+        const int kh = (r + 1) / 2, k0 = half * kh, k1 = min(r, k0 + kh);
+        float sum = 0.f;
+        for (int k = k0; k < k1; ++k) sum = fmaf(At[k * kC + t], __ldg(&Mk[k * p + kW]), sum);
+        part[half * kC + t] = sum;
+        __syncthreads();
+        if (tid < nt) out_p[rows[tid] * p + kW] += w[tid] * (part[tid] + part[kC + tid]);
+      }
+    }
+    if (kG) {
+      float acc[8][4];
+      Zero(acc);
+      Gemm<true, false>(acc, Bt, kC, m0, Mg, kLdF, n0, 0, p);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int t = m0 + i;
+        if (t >= nt) continue;
+        float* o = out_r + rows[t] * r;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const int n = n0 + jj;
+          if (n < r) o[n] += w[t] * acc[i][jj];
+        }
+      }
+    }
+  }
+}
+
+template <SmatReadKind kRead, typename In>
+cudaError_t LaunchReads(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                        const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                        const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                        float* out_v, cudaStream_t stream) {
+  constexpr size_t kSmem = sizeof(float) * kReadsSmemFloats;
+  auto kernel = GroupReadsKernel<kRead, In>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  constexpr int V = 16 / sizeof(In);
+  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
+  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments, vec, M, lay,
+                                            static_cast<const In*>(a), static_cast<const In*>(v),
+                                            g, w, out_p, out_r, out_v);
+  return cudaGetLastError();
+}
+
+template <typename In>
+cudaError_t LaunchReadsKind(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                            SmatReadKind kind, const float* M, const SmatMatrixLayout& lay,
+                            const void* a, const void* v, const float* g,
+                            const SmatTokenWeights& w, float* out_p, float* out_r, float* out_v,
+                            cudaStream_t stream) {
+  switch (kind) {
+    case SmatReadKind::kVecMat:
+      return LaunchReads<SmatReadKind::kVecMat, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
+                                                    out_r, out_v, stream);
+    case SmatReadKind::kMatVec:
+      return LaunchReads<SmatReadKind::kMatVec, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
+                                                    out_r, out_v, stream);
+    case SmatReadKind::kBoth:
+      return LaunchReads<SmatReadKind::kBoth, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
+                                                  out_r, out_v, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename In>
+cudaError_t LaunchOuter(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                        const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
+                        const SmatMatrixLayout& lay, float* out, cudaStream_t stream) {
+  constexpr size_t kSmem = sizeof(float) * kOuterSmemFloats;
+  auto kernel = GroupOuterSumKernel<In>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  constexpr int V = 16 / sizeof(In);
+  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && (!b_is_v || Aligned16(b));
+  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments, vec, static_cast<const In*>(a), b,
+                                            b_is_v, w, lay, out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchSmatGroupedOuterSumFast(const SmatCudaDims& d, const SmatTokenGroups& groups,
+                                          int segments, const void* a, const void* b,
+                                          bool b_is_v, const SmatTokenWeights& w,
+                                          const SmatMatrixLayout& lay, float* out,
+                                          cudaStream_t stream) {
+  if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  return d.bf16 ? LaunchOuter<__nv_bfloat16>(d, groups, segments, a, b, b_is_v, w, lay, out, stream)
+                : LaunchOuter<float>(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
+}
+
+cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& d, const SmatTokenGroups& groups,
+                                       int segments, SmatReadKind kind, const float* M,
+                                       const SmatMatrixLayout& lay, const void* a, const void* v,
+                                       const float* g, const SmatTokenWeights& w, float* out_p,
+                                       float* out_r, float* out_v, cudaStream_t stream) {
+  if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  return d.bf16 ? LaunchReadsKind<__nv_bfloat16>(d, groups, segments, kind, M, lay, a, v, g, w,
+                                                 out_p, out_r, out_v, stream)
+                : LaunchReadsKind<float>(d, groups, segments, kind, M, lay, a, v, g, w, out_p,
+                                         out_r, out_v, stream);
+}
+
+}  // namespace smat
