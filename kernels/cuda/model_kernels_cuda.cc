@@ -134,15 +134,12 @@ class CudaModelKernels final : public ModelKernels {
       return absl::InvalidArgumentError("RmsNormBackward: dx may not alias dy");
     }
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    // d_weight first, while x is intact (dx may overwrite x: each warp reads
-    // its row before writing it).
+    // dx may overwrite x: each element of x is read before it is written.
     Scratch scratch(s);
-    SMAT_ASSIGN_OR_RETURN(float* partials, scratch.Get<float>(ColumnPartials(N) * W));
-    SMAT_CUDA_RETURN_IF_ERROR(
-        LaunchRmsNormWeightGrad(F32(x), F32(rstd), F32(dy), partials, F32(d_weight), N, W, s));
-    return CudaStatus(
-        LaunchRmsNormBackwardInput(F32(x), F32(weight), F32(rstd), F32(dy), F32(dx), N, W, s),
-        "RmsNormBackward kernel");
+    SMAT_ASSIGN_OR_RETURN(float* partials, scratch.Get<float>(RmsNormBackwardPartials(N, W) * W));
+    return CudaStatus(LaunchRmsNormBackward(F32(x), F32(weight), F32(rstd), F32(dy), F32(dx),
+                                            F32(d_weight), partials, N, W, s),
+                      "RmsNormBackward kernel");
   }
 
   // --------------------------------------------------------------- SwiGLU, residual
@@ -289,7 +286,7 @@ class CudaModelKernels final : public ModelKernels {
     }
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(
-        LaunchShortConvForward(F32(x), F32(prefix), F32(w), F32(y), nb, L, C, max_blocks_, s),
+        LaunchShortConvForward(F32(x), F32(prefix), F32(w), F32(y), nb, L, C, s),
         "ShortConvForward kernel");
   }
 
@@ -315,11 +312,10 @@ class CudaModelKernels final : public ModelKernels {
     }
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     Scratch scratch(s);
-    SMAT_ASSIGN_OR_RETURN(float* partials, scratch.Get<float>(ColumnPartials(nb * L) * K * C));
-    SMAT_CUDA_RETURN_IF_ERROR(
-        LaunchShortConvWeightGrad(F32(x), F32(prefix), F32(dy), partials, F32(d_w), nb, L, C, s));
-    return CudaStatus(LaunchShortConvBackwardInput(F32(w), F32(dy), F32(dx), F32(d_prefix), nb, L,
-                                                   C, max_blocks_, s),
+    SMAT_ASSIGN_OR_RETURN(float* partials,
+                          scratch.Get<float>(ShortConvBackwardPartials(nb, L) * K * C));
+    return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), F32(dx),
+                                              F32(d_prefix), F32(d_w), partials, nb, L, C, s),
                       "ShortConvBackward kernel");
   }
 

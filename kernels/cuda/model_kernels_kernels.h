@@ -69,6 +69,17 @@ int64_t ColumnPartials(int64_t rows);
 cudaError_t LaunchRmsNormWeightGrad(const float* x, const float* rstd, const float* dy,
                                     float* partials, float* d_weight, int64_t N, int64_t W,
                                     cudaStream_t stream);
+// Partial rows LaunchRmsNormBackward needs (partials [that, W]).
+int64_t RmsNormBackwardPartials(int64_t N, int64_t W);
+// The whole backward: dx as LaunchRmsNormBackwardInput and d_weight[j] +=
+// sum_i (dy[i, j] * x[i, j]) * rstd[i] in a fixed order. For W <= 512 one
+// pass over x and dy (a block per fixed range of rows, a warp per row, the
+// d_weight terms summed per warp in row order, the warps in order, then the
+// block partials in fixed groups); wider rows use LaunchRmsNormWeightGrad and
+// then LaunchRmsNormBackwardInput. dx may alias x.
+cudaError_t LaunchRmsNormBackward(const float* x, const float* w, const float* rstd,
+                                  const float* dy, float* dx, float* d_weight, float* partials,
+                                  int64_t N, int64_t W, cudaStream_t stream);
 
 // --- element-wise ------------------------------------------------------------------
 cudaError_t LaunchSwiGluForward(const float* gate, const float* up, float* y, int64_t n,
@@ -108,19 +119,23 @@ cudaError_t LaunchExpRowMaxBackward(const float* x, const float* y, const float*
                                     int64_t rows, int64_t r, int max_blocks, cudaStream_t stream);
 
 // --- short causal depthwise convolution --------------------------------------------
+// Each thread walks a run of consecutive rows of one sequence for 4 channels
+// (float4, when C % 4 == 0 and every pointer is 16-byte aligned) or 1, with
+// the last K-1 input rows in registers.
 // y as the CPU (taps in increasing order from 0).
 cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, float* y,
-                                   int64_t nb, int64_t L, int64_t C, int max_blocks,
-                                   cudaStream_t stream);
-// dx and d_prefix as the CPU.
-cudaError_t LaunchShortConvBackwardInput(const float* w, const float* dy, float* dx,
-                                         float* d_prefix, int64_t nb, int64_t L, int64_t C,
-                                         int max_blocks, cudaStream_t stream);
-// d_w[j, c] += sum over rows (b, t) of dy[b, t, c] * in[b, t - (K-1) + j, c], in
-// the two stages of ColumnPartials(nb * L) (partials [ColumnPartials, K * C]).
-cudaError_t LaunchShortConvWeightGrad(const float* x, const float* prefix, const float* dy,
-                                      float* partials, float* d_w, int64_t nb, int64_t L,
-                                      int64_t C, cudaStream_t stream);
+                                   int64_t nb, int64_t L, int64_t C, cudaStream_t stream);
+// Partial rows LaunchShortConvBackward needs (partials [that, K, C]).
+int64_t ShortConvBackwardPartials(int64_t nb, int64_t L);
+// One pass over x, prefix and dy: dx and d_prefix as the CPU; d_w[j, c] +=
+// sum over rows (b, t) of dy[b, t, c] * in[b, t - (K-1) + j, c] in a fixed
+// order: each run's rows in order, the runs of a block in order (a partial),
+// then the partials in fixed groups (out += the sum). d_w is unchanged when
+// L == 0 (d_prefix is then zeros).
+cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const float* w,
+                                    const float* dy, float* dx, float* d_prefix, float* d_w,
+                                    float* partials, int64_t nb, int64_t L, int64_t C,
+                                    cudaStream_t stream);
 
 // --- cross-entropy ------------------------------------------------------------------
 // One block per row of logits [m, V]: lse[i] = max + log(sum exp(logit - max))

@@ -476,6 +476,44 @@ TEST_F(ModelKernelsGpuTest, ShortConvMatchesCpu) {
   ExpectSameBits(Host(gdw2), Host(gdw), "ShortConvBackward d_w");
 }
 
+// The float4 path (C % 4 == 0, aligned), with runs that end inside a sequence,
+// exactly at the lookahead boundary (L = 19) and sequences shorter than the
+// halo (L = 1, 2: every tap reaches into the prefix); then the scalar path on
+// an x that is not 16-byte aligned.
+TEST_F(ModelKernelsGpuTest, ShortConvMatchesCpuVectorizedAndShortSequences) {
+  constexpr int64_t K = kShortConvWidth;
+  struct Case {
+    int64_t nb, L, C;
+    bool unaligned_x;
+  };
+  for (const Case& k : {Case{2, 37, 132, false}, Case{3, 19, 8, false}, Case{3, 2, 12, false},
+                        Case{2, 1, 4, false}, Case{2, 37, 132, true}}) {
+    SCOPED_TRACE("nb " + std::to_string(k.nb) + ", L " + std::to_string(k.L) + ", C " +
+                 std::to_string(k.C) + (k.unaligned_x ? ", x unaligned" : ""));
+    const int64_t nb = k.nb, L = k.L, C = k.C, n = nb * L * C;
+    const Tensor xflat = Random({n + 1}, 16);
+    Tensor x = *Tensor::Empty({nb, L, C}, DType::kF32);
+    std::memcpy(x.raw(), xflat.data<float>() + 1, n * sizeof(float));
+    const Tensor prefix = Random({nb, K - 1, C}, 17), w = Random({K, C}, 18);
+    const Tensor dy = Random({nb, L, C}, 19), dw0 = Random({K, C}, 20);
+    Tensor y = *Tensor::Empty({nb, L, C}, DType::kF32), dx = Clone(y);
+    Tensor dp = *Tensor::Empty({nb, K - 1, C}, DType::kF32), dw = Clone(dw0);
+    ASSERT_TRUE(cmk_->ShortConvForward(x, prefix, w, y).ok());
+    ASSERT_TRUE(cmk_->ShortConvBackward(x, prefix, w, dy, dx, dp, dw).ok());
+    const Tensor gxflat = Dev(xflat);
+    const Tensor gx = k.unaligned_x ? gxflat.View(1, {nb, L, C}) : Dev(x);
+    const Tensor gp = Dev(prefix), gw = Dev(w), gdyv = Dev(dy);
+    Tensor gy = Poisoned({nb, L, C});
+    SMAT_ASSERT_OK(gmk_->ShortConvForward(gx, gp, gw, gy));
+    ExpectBitwise(Host(gy), y, "ShortConvForward y");
+    Tensor gdx = Poisoned({nb, L, C}), gdp = Poisoned({nb, K - 1, C}), gdw = Dev(dw0);
+    SMAT_ASSERT_OK(gmk_->ShortConvBackward(gx, gp, gw, gdyv, gdx, gdp, gdw));
+    ExpectBitwise(Host(gdx), dx, "ShortConvBackward dx");
+    ExpectBitwise(Host(gdp), dp, "ShortConvBackward d_prefix");
+    ExpectClose(Host(gdw), dw, 1e-5, 1e-5, "ShortConvBackward d_w (+=)");
+  }
+}
+
 // ------------------------------------------------------------------ embedding
 
 TEST_F(ModelKernelsGpuTest, EmbeddingMatchesCpuBitwise) {
