@@ -1,6 +1,6 @@
 // CudaModelKernels (model_kernels_cuda.h): validation of every operand against
 // the contract of kernels/model_kernels.h, then the launches of
-// model_kernels_kernels.cu on the call's stream.
+// model_kernels_{elementwise,loss,norm_conv}.cu on the call's stream.
 #include "kernels/cuda/model_kernels_cuda.h"
 
 #include <cuda_runtime_api.h>

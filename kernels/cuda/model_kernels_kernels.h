@@ -1,4 +1,5 @@
-// CUDA kernels of the model ops (kernels/model_kernels.h), behind plain launch
+// CUDA kernels of the model ops (kernels/model_kernels.h; in model_kernels_elementwise.cu,
+// model_kernels_loss.cu and model_kernels_norm_conv.cu), behind plain launch
 // functions so that model_kernels_cuda.cc, which validates tensors and returns
 // Status, is ordinary C++ and nvcc never parses Abseil.
 //
