@@ -175,6 +175,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                               bool backward) {
   const int reps = std::max(cfg.reps, kMinReps), warmup = std::max(cfg.warmup, kMinWarmup);
   SMAT_ASSIGN_OR_RETURN(Ceilings ceil, MeasureCeilings(gpu));
+  gpu.allocator().ResetPeak();  // the peak printed last is the benchmark's, not the ceiling runs'
   std::printf("ceilings on %s: copy %.0f GB/s (read + write), GEMM bf16 %.0f TFLOP/s, "
               "GEMM fp32 %.1f TFLOP/s\n",
               gpu.name().c_str(), ceil.copy_gbs, ceil.bf16_tflops, ceil.fp32_tflops);
@@ -311,9 +312,11 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
               DTypeName(cfg.dtype), cfg.gated ? "gated" : "ungated", static_cast<long long>(T),
               fwd_total);
   if (backward) std::printf(", backward %.3f ms, forward+backward %.3f ms", bwd_total, fwd_total + bwd_total);
-  std::printf("; device memory held by the benchmark's tensors %.2f GiB (kernel scratch from the "
-              "stream-ordered pool not included)\n",
-              buf.held() / (1024.0 * 1024 * 1024));
+  std::printf("; device memory held by the benchmark's tensors %.2f GiB, peak through the "
+              "backend's allocator %.2f GiB (the phases' own scratch comes from the CUDA "
+              "stream-ordered pool and is not included)\n",
+              buf.held() / (1024.0 * 1024 * 1024),
+              static_cast<double>(gpu.allocator().stats().peak_bytes) / (1024.0 * 1024 * 1024));
   return absl::OkStatus();
 }
 
