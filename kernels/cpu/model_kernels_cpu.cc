@@ -9,67 +9,23 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "kernels/model_kernels_check.h"
 
 namespace smat {
 namespace {
 
-// InvalidArgument unless t is a defined host tensor of `dtype` and `shape`.
-absl::Status Expect(const Tensor& t, DType dtype, absl::Span<const int64_t> shape, const char* op,
-                    const char* operand) {
-  if (!t.defined()) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " is undefined"));
-  }
-  if (!t.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " is on ",
-                                                   t.device().ToString(),
-                                                   "; the CPU model kernels need host tensors"));
-  }
-  if (t.dtype() != dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " is ", DTypeName(t.dtype()),
-                                                   "; expected ", DTypeName(dtype)));
-  }
-  if (t.shape() != Shape(shape.begin(), shape.end())) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " has shape ",
-                                                   ShapeToString(t.shape()), "; expected ",
-                                                   ShapeToString(shape)));
-  }
-  return absl::OkStatus();
-}
-
-// Rank-2 fp32 host tensor: returns {rows, cols}.
-absl::StatusOr<std::pair<int64_t, int64_t>> Matrix(const Tensor& t, const char* op,
-                                                   const char* operand) {
-  if (!t.defined() || t.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " must be a rank-2 tensor",
-                                                   t.defined() ? "; got " + t.DebugString() : ""));
-  }
-  SMAT_RETURN_IF_ERROR(Expect(t, DType::kF32, t.shape(), op, operand));
-  return std::make_pair(t.dim(0), t.dim(1));
-}
+// The CPU kernels read and write host memory.
+const Device kHost = Device::Cpu();
 
 float Sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
-
-// InvalidArgument unless f is one of the FeatureMap enumerators (a value cast
-// from elsewhere would reach the host loops' SMAT_CHECK).
-absl::Status ExpectFeatureMap(FeatureMap f, const char* op) {
-  if (f == FeatureMap::kEluPlusOne || f == FeatureMap::kReluEps) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(op, ": unknown feature map ",
-                                                 static_cast<int>(f),
-                                                 "; expected kEluPlusOne or kReluEps"));
-}
 
 class CpuModelKernels final : public ModelKernels {
  public:
   absl::Status EmbeddingForward(const Tensor& table, const Tensor& ids, Tensor& out,
                                 Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(table, "EmbeddingForward", "table"));
-    const auto [V, W] = vw;
-    if (!ids.defined() || ids.rank() != 1) {
-      return absl::InvalidArgumentError("EmbeddingForward: ids must be int32 [N]");
-    }
-    const int64_t N = ids.dim(0);
-    SMAT_RETURN_IF_ERROR(Expect(ids, DType::kI32, {N}, "EmbeddingForward", "ids"));
-    SMAT_RETURN_IF_ERROR(Expect(out, DType::kF32, {N, W}, "EmbeddingForward", "out"));
+    SMAT_ASSIGN_OR_RETURN(VocabDims d, CheckEmbedding("EmbeddingForward", {table, "table"}, ids,
+                                                      {out, "out"}, kHost));
+    const auto [N, V, W] = d;
     const int32_t* id = ids.data<int32_t>();  // [N]
     const float* tab = table.data<float>();    // [V, W]
     float* o = out.data<float>();              // [N, W]
@@ -86,14 +42,9 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status EmbeddingBackward(const Tensor& ids, const Tensor& d_out, Tensor& d_table,
                                  Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(d_table, "EmbeddingBackward", "d_table"));
-    const auto [V, W] = vw;
-    if (!ids.defined() || ids.rank() != 1) {
-      return absl::InvalidArgumentError("EmbeddingBackward: ids must be int32 [N]");
-    }
-    const int64_t N = ids.dim(0);
-    SMAT_RETURN_IF_ERROR(Expect(ids, DType::kI32, {N}, "EmbeddingBackward", "ids"));
-    SMAT_RETURN_IF_ERROR(Expect(d_out, DType::kF32, {N, W}, "EmbeddingBackward", "d_out"));
+    SMAT_ASSIGN_OR_RETURN(VocabDims d, CheckEmbedding("EmbeddingBackward", {d_table, "d_table"},
+                                                      ids, {d_out, "d_out"}, kHost));
+    const auto [N, V, W] = d;
     const int32_t* id = ids.data<int32_t>();  // [N]
     const float* g = d_out.data<float>();      // [N, W]
     float* dt = d_table.data<float>();         // [V, W]
@@ -112,11 +63,8 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status RmsNormForward(const Tensor& x, const Tensor& weight, float eps, Tensor& y,
                               Tensor& rstd, Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(x, "RmsNormForward", "x"));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nw, CheckRmsNormForward(x, weight, y, rstd, kHost));
     const auto [N, W] = nw;
-    SMAT_RETURN_IF_ERROR(Expect(weight, DType::kF32, {W}, "RmsNormForward", "weight"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {N, W}, "RmsNormForward", "y"));
-    SMAT_RETURN_IF_ERROR(Expect(rstd, DType::kF32, {N}, "RmsNormForward", "rstd"));
     const float* xp = x.data<float>();       // [N, W]
     const float* w = weight.data<float>();   // [W]
     float* yp = y.data<float>();             // [N, W]
@@ -134,13 +82,9 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status RmsNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                const Tensor& dy, Tensor& dx, Tensor& d_weight, Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(x, "RmsNormBackward", "x"));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nw,
+                          CheckRmsNormBackward(x, weight, rstd, dy, dx, d_weight, kHost));
     const auto [N, W] = nw;
-    SMAT_RETURN_IF_ERROR(Expect(weight, DType::kF32, {W}, "RmsNormBackward", "weight"));
-    SMAT_RETURN_IF_ERROR(Expect(rstd, DType::kF32, {N}, "RmsNormBackward", "rstd"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {N, W}, "RmsNormBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {N, W}, "RmsNormBackward", "dx"));
-    SMAT_RETURN_IF_ERROR(Expect(d_weight, DType::kF32, {W}, "RmsNormBackward", "d_weight"));
     const float* xp = x.data<float>();      // [N, W]
     const float* w = weight.data<float>();  // [W]
     const float* rs = rstd.data<float>();   // [N]
@@ -165,10 +109,9 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y, Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto nf, Matrix(gate, "SwiGluForward", "gate"));
-    SMAT_RETURN_IF_ERROR(Expect(up, DType::kF32, gate.shape(), "SwiGluForward", "up"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, gate.shape(), "SwiGluForward", "y"));
-    const int64_t n = nf.first * nf.second;
+    SMAT_ASSIGN_OR_RETURN(
+        RowsCols nf, CheckMatrices("SwiGluForward", {{gate, "gate"}, {up, "up"}, {y, "y"}}, kHost));
+    const int64_t n = nf.rows * nf.cols;
     const float* a = gate.data<float>();  // [N, F]
     const float* b = up.data<float>();    // [N, F]
     float* o = y.data<float>();           // [N, F]
@@ -178,12 +121,12 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status SwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
                               Tensor& d_gate, Tensor& d_up, Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto nf, Matrix(gate, "SwiGluBackward", "gate"));
-    SMAT_RETURN_IF_ERROR(Expect(up, DType::kF32, gate.shape(), "SwiGluBackward", "up"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, gate.shape(), "SwiGluBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(d_gate, DType::kF32, gate.shape(), "SwiGluBackward", "d_gate"));
-    SMAT_RETURN_IF_ERROR(Expect(d_up, DType::kF32, gate.shape(), "SwiGluBackward", "d_up"));
-    const int64_t n = nf.first * nf.second;
+    SMAT_ASSIGN_OR_RETURN(RowsCols nf,
+                          CheckMatrices("SwiGluBackward",
+                                        {{gate, "gate"}, {up, "up"}, {dy, "dy"},
+                                         {d_gate, "d_gate"}, {d_up, "d_up"}},
+                                        kHost));
+    const int64_t n = nf.rows * nf.cols;
     const float* a = gate.data<float>();  // [N, F]
     const float* b = up.data<float>();    // [N, F]
     const float* g = dy.data<float>();    // [N, F]
@@ -199,9 +142,8 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status ResidualAdd(const Tensor& a, const Tensor& b, Tensor& out, Stream*) override {
-    SMAT_RETURN_IF_ERROR(Expect(a, DType::kF32, a.shape(), "ResidualAdd", "a"));
-    SMAT_RETURN_IF_ERROR(Expect(b, DType::kF32, a.shape(), "ResidualAdd", "b"));
-    SMAT_RETURN_IF_ERROR(Expect(out, DType::kF32, a.shape(), "ResidualAdd", "out"));
+    SMAT_RETURN_IF_ERROR(
+        CheckElementwise("ResidualAdd", {{a, "a"}, {b, "b"}, {out, "out"}}, kHost));
     const float* x = a.data<float>();
     const float* z = b.data<float>();
     float* o = out.data<float>();
@@ -210,8 +152,7 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status NegSoftplusForward(const Tensor& x, Tensor& y, Stream*) override {
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "NegSoftplusForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), "NegSoftplusForward", "y"));
+    SMAT_RETURN_IF_ERROR(CheckElementwise("NegSoftplusForward", {{x, "x"}, {y, "y"}}, kHost));
     const float* xp = x.data<float>();
     float* yp = y.data<float>();
     // softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow for large |x|.
@@ -223,9 +164,8 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status NegSoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx,
                                    Stream*) override {
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "NegSoftplusBackward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), "NegSoftplusBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), "NegSoftplusBackward", "dx"));
+    SMAT_RETURN_IF_ERROR(
+        CheckElementwise("NegSoftplusBackward", {{x, "x"}, {dy, "dy"}, {dx, "dx"}}, kHost));
     const float* xp = x.data<float>();
     const float* g = dy.data<float>();
     float* gx = dx.data<float>();
@@ -234,13 +174,8 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status SigmoidScaleForward(const Tensor& x, const Tensor& g, Tensor& y, Stream*) override {
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("SigmoidScaleForward: x must be fp32 [N, H, r]");
-    }
-    const int64_t N = x.dim(0), H = x.dim(1), r = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {N, H, r}, "SigmoidScaleForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(g, DType::kF32, {N, H}, "SigmoidScaleForward", "g"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {N, H, r}, "SigmoidScaleForward", "y"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckSigmoidScaleForward(x, g, y, kHost));
+    const auto [N, H, r] = d;
     const float* xp = x.data<float>();  // [N, H, r]
     const float* gp = g.data<float>();  // [N, H]
     float* yp = y.data<float>();        // [N, H, r]
@@ -253,15 +188,8 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status SigmoidScaleBackward(const Tensor& x, const Tensor& g, const Tensor& dy,
                                     Tensor& dx, Tensor& dg, Stream*) override {
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("SigmoidScaleBackward: x must be fp32 [N, H, r]");
-    }
-    const int64_t N = x.dim(0), H = x.dim(1), r = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {N, H, r}, "SigmoidScaleBackward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(g, DType::kF32, {N, H}, "SigmoidScaleBackward", "g"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {N, H, r}, "SigmoidScaleBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {N, H, r}, "SigmoidScaleBackward", "dx"));
-    SMAT_RETURN_IF_ERROR(Expect(dg, DType::kF32, {N, H}, "SigmoidScaleBackward", "dg"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckSigmoidScaleBackward(x, g, dy, dx, dg, kHost));
+    const auto [N, H, r] = d;
     const float* xp = x.data<float>();   // [N, H, r]
     const float* gp = g.data<float>();   // [N, H]
     const float* gy = dy.data<float>();  // [N, H, r]
@@ -278,9 +206,7 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status FeatureMapForward(FeatureMap f, const Tensor& x, Tensor& y, Stream*) override {
-    SMAT_RETURN_IF_ERROR(ExpectFeatureMap(f, "FeatureMapForward"));
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), "FeatureMapForward", "y"));
+    SMAT_RETURN_IF_ERROR(CheckFeatureMap("FeatureMapForward", f, {{x, "x"}, {y, "y"}}, kHost));
     // The host loop of kernels/feature_map.h (qualified: this member hides it).
     smat::FeatureMapForward(f, x.data<float>(), y.data<float>(), x.numel());
     return absl::OkStatus();
@@ -288,17 +214,14 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status FeatureMapBackward(FeatureMap f, const Tensor& x, const Tensor& dy, Tensor& dx,
                                   Stream*) override {
-    SMAT_RETURN_IF_ERROR(ExpectFeatureMap(f, "FeatureMapBackward"));
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapBackward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), "FeatureMapBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), "FeatureMapBackward", "dx"));
+    SMAT_RETURN_IF_ERROR(
+        CheckFeatureMap("FeatureMapBackward", f, {{x, "x"}, {dy, "dy"}, {dx, "dx"}}, kHost));
     smat::FeatureMapBackward(f, x.data<float>(), dy.data<float>(), dx.data<float>(), x.numel());
     return absl::OkStatus();
   }
 
   absl::Status SoftplusForward(const Tensor& x, Tensor& y, Stream*) override {
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "SoftplusForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), "SoftplusForward", "y"));
+    SMAT_RETURN_IF_ERROR(CheckElementwise("SoftplusForward", {{x, "x"}, {y, "y"}}, kHost));
     const float* xp = x.data<float>();
     float* yp = y.data<float>();
     for (int64_t i = 0; i < x.numel(); ++i) {
@@ -308,9 +231,8 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status SoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx, Stream*) override {
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "SoftplusBackward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), "SoftplusBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), "SoftplusBackward", "dx"));
+    SMAT_RETURN_IF_ERROR(
+        CheckElementwise("SoftplusBackward", {{x, "x"}, {dy, "dy"}, {dx, "dx"}}, kHost));
     const float* xp = x.data<float>();
     const float* g = dy.data<float>();
     float* gx = dx.data<float>();
@@ -319,9 +241,9 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status ExpRowMaxForward(const Tensor& x, Tensor& y, Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto mr, Matrix(x, "ExpRowMaxForward", "x"));
+    SMAT_ASSIGN_OR_RETURN(RowsCols mr,
+                          CheckMatrices("ExpRowMaxForward", {{x, "x"}, {y, "y"}}, kHost));
     const auto [M, r] = mr;
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {M, r}, "ExpRowMaxForward", "y"));
     const float* xp = x.data<float>();  // [M, r]
     float* yp = y.data<float>();        // [M, r]
     for (int64_t i = 0; i < M; ++i) {
@@ -334,11 +256,10 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status ExpRowMaxBackward(const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx,
                                  Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(auto mr, Matrix(x, "ExpRowMaxBackward", "x"));
+    SMAT_ASSIGN_OR_RETURN(
+        RowsCols mr,
+        CheckMatrices("ExpRowMaxBackward", {{x, "x"}, {y, "y"}, {dy, "dy"}, {dx, "dx"}}, kHost));
     const auto [M, r] = mr;
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {M, r}, "ExpRowMaxBackward", "y"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {M, r}, "ExpRowMaxBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {M, r}, "ExpRowMaxBackward", "dx"));
     const float* xp = x.data<float>();   // [M, r]
     const float* yp = y.data<float>();   // [M, r]
     const float* g = dy.data<float>();   // [M, r]
@@ -357,14 +278,8 @@ class CpuModelKernels final : public ModelKernels {
   absl::Status ShortConvForward(const Tensor& x, const Tensor& prefix, const Tensor& w, Tensor& y,
                                 Stream*) override {
     constexpr int64_t K = kShortConvWidth;
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("ShortConvForward: x must be fp32 [batch, L, C]");
-    }
-    const int64_t nb = x.dim(0), L = x.dim(1), C = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {nb, L, C}, "ShortConvForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(prefix, DType::kF32, {nb, K - 1, C}, "ShortConvForward", "prefix"));
-    SMAT_RETURN_IF_ERROR(Expect(w, DType::kF32, {K, C}, "ShortConvForward", "w"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {nb, L, C}, "ShortConvForward", "y"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvForward(x, prefix, w, y, kHost));
+    const auto [nb, L, C] = d;
     const float* xp = x.data<float>();       // [batch, L, C]
     const float* pp = prefix.data<float>();  // [batch, K-1, C]
     const float* wp = w.data<float>();       // [K, C]
@@ -387,19 +302,9 @@ class CpuModelKernels final : public ModelKernels {
                                  const Tensor& dy, Tensor& dx, Tensor& d_prefix, Tensor& d_w,
                                  Stream*) override {
     constexpr int64_t K = kShortConvWidth;
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("ShortConvBackward: x must be fp32 [batch, L, C]");
-    }
-    const int64_t nb = x.dim(0), L = x.dim(1), C = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {nb, L, C}, "ShortConvBackward", "x"));
-    SMAT_RETURN_IF_ERROR(
-        Expect(prefix, DType::kF32, {nb, K - 1, C}, "ShortConvBackward", "prefix"));
-    SMAT_RETURN_IF_ERROR(Expect(w, DType::kF32, {K, C}, "ShortConvBackward", "w"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {nb, L, C}, "ShortConvBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {nb, L, C}, "ShortConvBackward", "dx"));
-    SMAT_RETURN_IF_ERROR(
-        Expect(d_prefix, DType::kF32, {nb, K - 1, C}, "ShortConvBackward", "d_prefix"));
-    SMAT_RETURN_IF_ERROR(Expect(d_w, DType::kF32, {K, C}, "ShortConvBackward", "d_w"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d,
+                          CheckShortConvBackward(x, prefix, w, dy, dx, d_prefix, d_w, kHost));
+    const auto [nb, L, C] = d;
     const float* xp = x.data<float>();       // [batch, L, C]
     const float* pp = prefix.data<float>();  // [batch, K-1, C]
     const float* wp = w.data<float>();       // [K, C]
@@ -436,17 +341,10 @@ class CpuModelKernels final : public ModelKernels {
                                    const Tensor& targets, const Tensor& weights,
                                    int64_t chunk_tokens, Tensor& lse, double* loss_sum,
                                    Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(h, "CrossEntropyForward", "h"));
-    const auto [N, W] = nw;
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(w_head, "CrossEntropyForward", "w_head"));
-    const int64_t V = vw.first;
-    SMAT_RETURN_IF_ERROR(Expect(w_head, DType::kF32, {V, W}, "CrossEntropyForward", "w_head"));
-    SMAT_RETURN_IF_ERROR(Expect(targets, DType::kI32, {N}, "CrossEntropyForward", "targets"));
-    SMAT_RETURN_IF_ERROR(Expect(weights, DType::kF32, {N}, "CrossEntropyForward", "weights"));
-    SMAT_RETURN_IF_ERROR(Expect(lse, DType::kF32, {N}, "CrossEntropyForward", "lse"));
-    if (chunk_tokens < 1 || loss_sum == nullptr) {
-      return absl::InvalidArgumentError("CrossEntropyForward: chunk_tokens must be >= 1");
-    }
+    SMAT_ASSIGN_OR_RETURN(VocabDims d,
+                          CheckCrossEntropyForward(h, w_head, targets, weights, chunk_tokens, lse,
+                                                   loss_sum, kHost));
+    const auto [N, V, W] = d;
     const int32_t* tg = targets.data<int32_t>();  // [N]
     const float* wt = weights.data<float>();       // [N]
     float* ls = lse.data<float>();                 // [N]
@@ -476,20 +374,10 @@ class CpuModelKernels final : public ModelKernels {
                                     const Tensor& targets, const Tensor& weights, const Tensor& lse,
                                     float scale, int64_t chunk_tokens, Tensor& dh,
                                     Tensor& d_w_head, Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(h, "CrossEntropyBackward", "h"));
-    const auto [N, W] = nw;
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(w_head, "CrossEntropyBackward", "w_head"));
-    const int64_t V = vw.first;
-    SMAT_RETURN_IF_ERROR(Expect(w_head, DType::kF32, {V, W}, "CrossEntropyBackward", "w_head"));
-    SMAT_RETURN_IF_ERROR(Expect(targets, DType::kI32, {N}, "CrossEntropyBackward", "targets"));
-    SMAT_RETURN_IF_ERROR(Expect(weights, DType::kF32, {N}, "CrossEntropyBackward", "weights"));
-    SMAT_RETURN_IF_ERROR(Expect(lse, DType::kF32, {N}, "CrossEntropyBackward", "lse"));
-    SMAT_RETURN_IF_ERROR(Expect(dh, DType::kF32, {N, W}, "CrossEntropyBackward", "dh"));
-    SMAT_RETURN_IF_ERROR(
-        Expect(d_w_head, DType::kF32, {V, W}, "CrossEntropyBackward", "d_w_head"));
-    if (chunk_tokens < 1) {
-      return absl::InvalidArgumentError("CrossEntropyBackward: chunk_tokens must be >= 1");
-    }
+    SMAT_ASSIGN_OR_RETURN(VocabDims d,
+                          CheckCrossEntropyBackward(h, w_head, targets, weights, lse, chunk_tokens,
+                                                    dh, d_w_head, kHost));
+    const auto [N, V, W] = d;
     const int32_t* tg = targets.data<int32_t>();  // [N]
     const float* wt = weights.data<float>();       // [N]
     const float* ls = lse.data<float>();           // [N]
@@ -523,17 +411,7 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status Cast(const Tensor& src, Tensor& dst, Stream*) override {
-    auto floating = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
-    if (!src.defined() || !dst.defined() || !floating(src.dtype()) || !floating(dst.dtype())) {
-      return absl::InvalidArgumentError("Cast: src and dst must be defined fp32 or bf16 tensors");
-    }
-    if (!src.device().is_cpu() || !dst.device().is_cpu()) {
-      return absl::InvalidArgumentError("Cast: the CPU model kernels need host tensors");
-    }
-    if (src.numel() != dst.numel()) {
-      return absl::InvalidArgumentError(absl::StrCat("Cast: src has ", src.numel(),
-                                                     " elements, dst ", dst.numel()));
-    }
+    SMAT_RETURN_IF_ERROR(CheckCast(src, dst, kHost));
     const int64_t n = src.numel();
     if (src.dtype() == dst.dtype()) {
       std::copy_n(static_cast<const char*>(src.raw()), src.nbytes(), static_cast<char*>(dst.raw()));
@@ -551,10 +429,8 @@ class CpuModelKernels final : public ModelKernels {
 
   absl::Status AdamWUpdate(Tensor& value, const Tensor& grad, Tensor& m, Tensor& v,
                            const AdamWScalars& s, Stream*) override {
-    SMAT_RETURN_IF_ERROR(Expect(value, DType::kF32, value.shape(), "AdamWUpdate", "value"));
-    SMAT_RETURN_IF_ERROR(Expect(grad, DType::kF32, value.shape(), "AdamWUpdate", "grad"));
-    SMAT_RETURN_IF_ERROR(Expect(m, DType::kF32, value.shape(), "AdamWUpdate", "m"));
-    SMAT_RETURN_IF_ERROR(Expect(v, DType::kF32, value.shape(), "AdamWUpdate", "v"));
+    SMAT_RETURN_IF_ERROR(CheckElementwise(
+        "AdamWUpdate", {{value, "value"}, {grad, "grad"}, {m, "m"}, {v, "v"}}, kHost));
     float* w = value.data<float>();
     const float* g = grad.data<float>();
     float* mp = m.data<float>();
@@ -577,11 +453,9 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::StatusOr<double> SumOfSquares(absl::Span<const Tensor> tensors, Stream*) override {
+    SMAT_RETURN_IF_ERROR(CheckSumOfSquares(tensors, kHost));
     double total = 0.0;
-    for (size_t k = 0; k < tensors.size(); ++k) {
-      const Tensor& t = tensors[k];
-      SMAT_RETURN_IF_ERROR(Expect(t, DType::kF32, t.shape(), "SumOfSquares",
-                                  absl::StrCat("tensor ", k).c_str()));
+    for (const Tensor& t : tensors) {
       const float* p = t.data<float>();
       for (int64_t i = 0; i < t.numel(); ++i) total += double{p[i]} * p[i];
     }

@@ -1,5 +1,6 @@
-// CudaModelKernels (model_kernels_cuda.h): validation of every operand against
-// the contract of kernels/model_kernels.h, then the launches of
+// CudaModelKernels (model_kernels_cuda.h): the operand checks shared with the
+// CPU (kernels/model_kernels_check.h) plus the ones of these kernels (aliasing,
+// 32-bit sizes, ids and targets on the device), then the launches of
 // model_kernels_{elementwise,loss,norm_conv}.cu on the call's stream.
 #include "kernels/cuda/model_kernels_cuda.h"
 
@@ -16,6 +17,7 @@
 #include "core/status.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/model_kernels_kernels.h"
+#include "kernels/model_kernels_check.h"
 
 namespace smat {
 namespace {
@@ -63,14 +65,9 @@ class CudaModelKernels final : public ModelKernels {
   // --------------------------------------------------------------- embedding
   absl::Status EmbeddingForward(const Tensor& table, const Tensor& ids, Tensor& out,
                                 Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(table, "EmbeddingForward", "table"));
-    const auto [V, W] = vw;
-    if (!ids.defined() || ids.rank() != 1) {
-      return absl::InvalidArgumentError("EmbeddingForward: ids must be int32 [N]");
-    }
-    const int64_t N = ids.dim(0);
-    SMAT_RETURN_IF_ERROR(Expect(ids, DType::kI32, {N}, "EmbeddingForward", "ids"));
-    SMAT_RETURN_IF_ERROR(Expect(out, DType::kF32, {N, W}, "EmbeddingForward", "out"));
+    SMAT_ASSIGN_OR_RETURN(VocabDims d, CheckEmbedding("EmbeddingForward", {table, "table"}, ids,
+                                                      {out, "out"}, device()));
+    const auto [N, V, W] = d;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     // The gather skips bad rows, so it can be queued before the check's result
     // is back: one synchronisation per call.
@@ -82,14 +79,9 @@ class CudaModelKernels final : public ModelKernels {
 
   absl::Status EmbeddingBackward(const Tensor& ids, const Tensor& d_out, Tensor& d_table,
                                  Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(d_table, "EmbeddingBackward", "d_table"));
-    const auto [V, W] = vw;
-    if (!ids.defined() || ids.rank() != 1) {
-      return absl::InvalidArgumentError("EmbeddingBackward: ids must be int32 [N]");
-    }
-    const int64_t N = ids.dim(0);
-    SMAT_RETURN_IF_ERROR(Expect(ids, DType::kI32, {N}, "EmbeddingBackward", "ids"));
-    SMAT_RETURN_IF_ERROR(Expect(d_out, DType::kF32, {N, W}, "EmbeddingBackward", "d_out"));
+    SMAT_ASSIGN_OR_RETURN(VocabDims d, CheckEmbedding("EmbeddingBackward", {d_table, "d_table"},
+                                                      ids, {d_out, "d_out"}, device()));
+    const auto [N, V, W] = d;
     if (N > INT_MAX) {
       return absl::InvalidArgumentError(
           absl::StrCat("EmbeddingBackward: ", N, " rows exceed the sort's 32-bit range"));
@@ -110,11 +102,8 @@ class CudaModelKernels final : public ModelKernels {
   // --------------------------------------------------------------- RMSNorm
   absl::Status RmsNormForward(const Tensor& x, const Tensor& weight, float eps, Tensor& y,
                               Tensor& rstd, Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(x, "RmsNormForward", "x"));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nw, CheckRmsNormForward(x, weight, y, rstd, device()));
     const auto [N, W] = nw;
-    SMAT_RETURN_IF_ERROR(Expect(weight, DType::kF32, {W}, "RmsNormForward", "weight"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {N, W}, "RmsNormForward", "y"));
-    SMAT_RETURN_IF_ERROR(Expect(rstd, DType::kF32, {N}, "RmsNormForward", "rstd"));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(LaunchRmsNormForward(F32(x), F32(weight), eps, F32(y), F32(rstd), N, W, s),
                       "RmsNormForward kernel");
@@ -123,13 +112,9 @@ class CudaModelKernels final : public ModelKernels {
   absl::Status RmsNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                const Tensor& dy, Tensor& dx, Tensor& d_weight,
                                Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(x, "RmsNormBackward", "x"));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nw,
+                          CheckRmsNormBackward(x, weight, rstd, dy, dx, d_weight, device()));
     const auto [N, W] = nw;
-    SMAT_RETURN_IF_ERROR(Expect(weight, DType::kF32, {W}, "RmsNormBackward", "weight"));
-    SMAT_RETURN_IF_ERROR(Expect(rstd, DType::kF32, {N}, "RmsNormBackward", "rstd"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {N, W}, "RmsNormBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {N, W}, "RmsNormBackward", "dx"));
-    SMAT_RETURN_IF_ERROR(Expect(d_weight, DType::kF32, {W}, "RmsNormBackward", "d_weight"));
     if (N * W > 0 && dx.raw() == dy.raw()) {
       return absl::InvalidArgumentError("RmsNormBackward: dx may not alias dy");
     }
@@ -145,32 +130,31 @@ class CudaModelKernels final : public ModelKernels {
   // --------------------------------------------------------------- SwiGLU, residual
   absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y,
                              Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nf, Matrix(gate, "SwiGluForward", "gate"));
-    SMAT_RETURN_IF_ERROR(Expect(up, DType::kF32, gate.shape(), "SwiGluForward", "up"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, gate.shape(), "SwiGluForward", "y"));
+    SMAT_ASSIGN_OR_RETURN(
+        RowsCols nf,
+        CheckMatrices("SwiGluForward", {{gate, "gate"}, {up, "up"}, {y, "y"}}, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    return CudaStatus(LaunchSwiGluForward(F32(gate), F32(up), F32(y), nf.first * nf.second,
+    return CudaStatus(LaunchSwiGluForward(F32(gate), F32(up), F32(y), nf.rows * nf.cols,
                                           max_blocks_, s),
                       "SwiGluForward kernel");
   }
 
   absl::Status SwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
                               Tensor& d_gate, Tensor& d_up, Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nf, Matrix(gate, "SwiGluBackward", "gate"));
-    SMAT_RETURN_IF_ERROR(Expect(up, DType::kF32, gate.shape(), "SwiGluBackward", "up"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, gate.shape(), "SwiGluBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(d_gate, DType::kF32, gate.shape(), "SwiGluBackward", "d_gate"));
-    SMAT_RETURN_IF_ERROR(Expect(d_up, DType::kF32, gate.shape(), "SwiGluBackward", "d_up"));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nf,
+                          CheckMatrices("SwiGluBackward",
+                                        {{gate, "gate"}, {up, "up"}, {dy, "dy"},
+                                         {d_gate, "d_gate"}, {d_up, "d_up"}},
+                                        device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(LaunchSwiGluBackward(F32(gate), F32(up), F32(dy), F32(d_gate), F32(d_up),
-                                           nf.first * nf.second, max_blocks_, s),
+                                           nf.rows * nf.cols, max_blocks_, s),
                       "SwiGluBackward kernel");
   }
 
   absl::Status ResidualAdd(const Tensor& a, const Tensor& b, Tensor& out, Stream* stream) override {
-    SMAT_RETURN_IF_ERROR(Expect(a, DType::kF32, a.shape(), "ResidualAdd", "a"));
-    SMAT_RETURN_IF_ERROR(Expect(b, DType::kF32, a.shape(), "ResidualAdd", "b"));
-    SMAT_RETURN_IF_ERROR(Expect(out, DType::kF32, a.shape(), "ResidualAdd", "out"));
+    SMAT_RETURN_IF_ERROR(
+        CheckElementwise("ResidualAdd", {{a, "a"}, {b, "b"}, {out, "out"}}, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(LaunchResidualAdd(F32(a), F32(b), F32(out), a.numel(), max_blocks_, s),
                       "ResidualAdd kernel");
@@ -195,9 +179,8 @@ class CudaModelKernels final : public ModelKernels {
   // --------------------------------------------------------------- feature maps
   absl::Status FeatureMapForward(FeatureMap f, const Tensor& x, Tensor& y,
                                  Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(CudaFeatureMap map, ToCuda(f, "FeatureMapForward"));
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), "FeatureMapForward", "y"));
+    SMAT_RETURN_IF_ERROR(CheckFeatureMap("FeatureMapForward", f, {{x, "x"}, {y, "y"}}, device()));
+    const CudaFeatureMap map = ToCuda(f);
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(LaunchFeatureMapForward(map, F32(x), F32(y), x.numel(), max_blocks_, s),
                       "FeatureMapForward kernel");
@@ -205,10 +188,9 @@ class CudaModelKernels final : public ModelKernels {
 
   absl::Status FeatureMapBackward(FeatureMap f, const Tensor& x, const Tensor& dy, Tensor& dx,
                                   Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(CudaFeatureMap map, ToCuda(f, "FeatureMapBackward"));
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), "FeatureMapBackward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), "FeatureMapBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), "FeatureMapBackward", "dx"));
+    SMAT_RETURN_IF_ERROR(
+        CheckFeatureMap("FeatureMapBackward", f, {{x, "x"}, {dy, "dy"}, {dx, "dx"}}, device()));
+    const CudaFeatureMap map = ToCuda(f);
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(
         LaunchFeatureMapBackward(map, F32(x), F32(dy), F32(dx), x.numel(), max_blocks_, s),
@@ -217,13 +199,8 @@ class CudaModelKernels final : public ModelKernels {
 
   absl::Status SigmoidScaleForward(const Tensor& x, const Tensor& g, Tensor& y,
                                    Stream* stream) override {
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("SigmoidScaleForward: x must be fp32 [N, H, r]");
-    }
-    const int64_t N = x.dim(0), H = x.dim(1), r = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {N, H, r}, "SigmoidScaleForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(g, DType::kF32, {N, H}, "SigmoidScaleForward", "g"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {N, H, r}, "SigmoidScaleForward", "y"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckSigmoidScaleForward(x, g, y, device()));
+    const auto [N, H, r] = d;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(
         LaunchSigmoidScaleForward(F32(x), F32(g), F32(y), N * H, r, max_blocks_, s),
@@ -232,15 +209,8 @@ class CudaModelKernels final : public ModelKernels {
 
   absl::Status SigmoidScaleBackward(const Tensor& x, const Tensor& g, const Tensor& dy,
                                     Tensor& dx, Tensor& dg, Stream* stream) override {
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("SigmoidScaleBackward: x must be fp32 [N, H, r]");
-    }
-    const int64_t N = x.dim(0), H = x.dim(1), r = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {N, H, r}, "SigmoidScaleBackward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(g, DType::kF32, {N, H}, "SigmoidScaleBackward", "g"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {N, H, r}, "SigmoidScaleBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {N, H, r}, "SigmoidScaleBackward", "dx"));
-    SMAT_RETURN_IF_ERROR(Expect(dg, DType::kF32, {N, H}, "SigmoidScaleBackward", "dg"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckSigmoidScaleBackward(x, g, dy, dx, dg, device()));
+    const auto [N, H, r] = d;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(LaunchSigmoidScaleBackward(F32(x), F32(g), F32(dy), F32(dx), F32(dg), N * H,
                                                  r, max_blocks_, s),
@@ -248,9 +218,9 @@ class CudaModelKernels final : public ModelKernels {
   }
 
   absl::Status ExpRowMaxForward(const Tensor& x, Tensor& y, Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto mr, Matrix(x, "ExpRowMaxForward", "x"));
+    SMAT_ASSIGN_OR_RETURN(RowsCols mr,
+                          CheckMatrices("ExpRowMaxForward", {{x, "x"}, {y, "y"}}, device()));
     const auto [M, r] = mr;
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {M, r}, "ExpRowMaxForward", "y"));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(LaunchExpRowMaxForward(F32(x), F32(y), M, r, max_blocks_, s),
                       "ExpRowMaxForward kernel");
@@ -258,11 +228,10 @@ class CudaModelKernels final : public ModelKernels {
 
   absl::Status ExpRowMaxBackward(const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx,
                                  Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto mr, Matrix(x, "ExpRowMaxBackward", "x"));
+    SMAT_ASSIGN_OR_RETURN(
+        RowsCols mr,
+        CheckMatrices("ExpRowMaxBackward", {{x, "x"}, {y, "y"}, {dy, "dy"}, {dx, "dx"}}, device()));
     const auto [M, r] = mr;
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {M, r}, "ExpRowMaxBackward", "y"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {M, r}, "ExpRowMaxBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {M, r}, "ExpRowMaxBackward", "dx"));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(
         LaunchExpRowMaxBackward(F32(x), F32(y), F32(dy), F32(dx), M, r, max_blocks_, s),
@@ -272,15 +241,8 @@ class CudaModelKernels final : public ModelKernels {
   // --------------------------------------------------------------- short convolution
   absl::Status ShortConvForward(const Tensor& x, const Tensor& prefix, const Tensor& w, Tensor& y,
                                 Stream* stream) override {
-    constexpr int64_t K = kShortConvWidth;
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("ShortConvForward: x must be fp32 [batch, L, C]");
-    }
-    const int64_t nb = x.dim(0), L = x.dim(1), C = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {nb, L, C}, "ShortConvForward", "x"));
-    SMAT_RETURN_IF_ERROR(Expect(prefix, DType::kF32, {nb, K - 1, C}, "ShortConvForward", "prefix"));
-    SMAT_RETURN_IF_ERROR(Expect(w, DType::kF32, {K, C}, "ShortConvForward", "w"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {nb, L, C}, "ShortConvForward", "y"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvForward(x, prefix, w, y, device()));
+    const auto [nb, L, C] = d;
     if (nb * L * C > 0 && y.raw() == x.raw()) {
       return absl::InvalidArgumentError("ShortConvForward: y may not alias x");
     }
@@ -294,19 +256,9 @@ class CudaModelKernels final : public ModelKernels {
                                  const Tensor& dy, Tensor& dx, Tensor& d_prefix, Tensor& d_w,
                                  Stream* stream) override {
     constexpr int64_t K = kShortConvWidth;
-    if (!x.defined() || x.rank() != 3) {
-      return absl::InvalidArgumentError("ShortConvBackward: x must be fp32 [batch, L, C]");
-    }
-    const int64_t nb = x.dim(0), L = x.dim(1), C = x.dim(2);
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, {nb, L, C}, "ShortConvBackward", "x"));
-    SMAT_RETURN_IF_ERROR(
-        Expect(prefix, DType::kF32, {nb, K - 1, C}, "ShortConvBackward", "prefix"));
-    SMAT_RETURN_IF_ERROR(Expect(w, DType::kF32, {K, C}, "ShortConvBackward", "w"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {nb, L, C}, "ShortConvBackward", "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {nb, L, C}, "ShortConvBackward", "dx"));
-    SMAT_RETURN_IF_ERROR(
-        Expect(d_prefix, DType::kF32, {nb, K - 1, C}, "ShortConvBackward", "d_prefix"));
-    SMAT_RETURN_IF_ERROR(Expect(d_w, DType::kF32, {K, C}, "ShortConvBackward", "d_w"));
+    SMAT_ASSIGN_OR_RETURN(Dims3 d,
+                          CheckShortConvBackward(x, prefix, w, dy, dx, d_prefix, d_w, device()));
+    const auto [nb, L, C] = d;
     if (nb * L * C > 0 && (dx.raw() == dy.raw() || dx.raw() == x.raw())) {
       return absl::InvalidArgumentError("ShortConvBackward: dx may not alias dy or x");
     }
@@ -324,17 +276,10 @@ class CudaModelKernels final : public ModelKernels {
                                    const Tensor& targets, const Tensor& weights,
                                    int64_t chunk_tokens, Tensor& lse, double* loss_sum,
                                    Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(h, "CrossEntropyForward", "h"));
-    const auto [N, W] = nw;
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(w_head, "CrossEntropyForward", "w_head"));
-    const int64_t V = vw.first;
-    SMAT_RETURN_IF_ERROR(Expect(w_head, DType::kF32, {V, W}, "CrossEntropyForward", "w_head"));
-    SMAT_RETURN_IF_ERROR(Expect(targets, DType::kI32, {N}, "CrossEntropyForward", "targets"));
-    SMAT_RETURN_IF_ERROR(Expect(weights, DType::kF32, {N}, "CrossEntropyForward", "weights"));
-    SMAT_RETURN_IF_ERROR(Expect(lse, DType::kF32, {N}, "CrossEntropyForward", "lse"));
-    if (chunk_tokens < 1 || loss_sum == nullptr) {
-      return absl::InvalidArgumentError("CrossEntropyForward: chunk_tokens must be >= 1");
-    }
+    SMAT_ASSIGN_OR_RETURN(VocabDims d,
+                          CheckCrossEntropyForward(h, w_head, targets, weights, chunk_tokens, lse,
+                                                   loss_sum, device()));
+    const auto [N, V, W] = d;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_RETURN_IF_ERROR(CheckIndices(targets, &weights, V, s, "CrossEntropyForward: target",
                                       "; check model.vocab_size against the data"));
@@ -367,20 +312,10 @@ class CudaModelKernels final : public ModelKernels {
                                     const Tensor& targets, const Tensor& weights, const Tensor& lse,
                                     float scale, int64_t chunk_tokens, Tensor& dh,
                                     Tensor& d_w_head, Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(auto nw, Matrix(h, "CrossEntropyBackward", "h"));
-    const auto [N, W] = nw;
-    SMAT_ASSIGN_OR_RETURN(auto vw, Matrix(w_head, "CrossEntropyBackward", "w_head"));
-    const int64_t V = vw.first;
-    SMAT_RETURN_IF_ERROR(Expect(w_head, DType::kF32, {V, W}, "CrossEntropyBackward", "w_head"));
-    SMAT_RETURN_IF_ERROR(Expect(targets, DType::kI32, {N}, "CrossEntropyBackward", "targets"));
-    SMAT_RETURN_IF_ERROR(Expect(weights, DType::kF32, {N}, "CrossEntropyBackward", "weights"));
-    SMAT_RETURN_IF_ERROR(Expect(lse, DType::kF32, {N}, "CrossEntropyBackward", "lse"));
-    SMAT_RETURN_IF_ERROR(Expect(dh, DType::kF32, {N, W}, "CrossEntropyBackward", "dh"));
-    SMAT_RETURN_IF_ERROR(
-        Expect(d_w_head, DType::kF32, {V, W}, "CrossEntropyBackward", "d_w_head"));
-    if (chunk_tokens < 1) {
-      return absl::InvalidArgumentError("CrossEntropyBackward: chunk_tokens must be >= 1");
-    }
+    SMAT_ASSIGN_OR_RETURN(VocabDims d,
+                          CheckCrossEntropyBackward(h, w_head, targets, weights, lse, chunk_tokens,
+                                                    dh, d_w_head, device()));
+    const auto [N, V, W] = d;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_RETURN_IF_ERROR(CheckIndices(targets, &weights, V, s, "CrossEntropyBackward: target",
                                       "; check model.vocab_size against the data"));
@@ -406,22 +341,7 @@ class CudaModelKernels final : public ModelKernels {
 
   // --------------------------------------------------------------- Cast, AdamW
   absl::Status Cast(const Tensor& src, Tensor& dst, Stream* stream) override {
-    auto floating = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
-    if (!src.defined() || !dst.defined() || !floating(src.dtype()) || !floating(dst.dtype())) {
-      return absl::InvalidArgumentError("Cast: src and dst must be defined fp32 or bf16 tensors");
-    }
-    for (const auto& [t, operand] : {std::pair<const Tensor*, const char*>{&src, "src"},
-                                     std::pair<const Tensor*, const char*>{&dst, "dst"}}) {
-      if (!(t->device() == Device::Cuda(device_))) {
-        return absl::InvalidArgumentError(absl::StrCat("Cast: ", operand, " is on ",
-                                                       t->device().ToString(), "; expected ",
-                                                       Device::Cuda(device_).ToString()));
-      }
-    }
-    if (src.numel() != dst.numel()) {
-      return absl::InvalidArgumentError(absl::StrCat("Cast: src has ", src.numel(),
-                                                     " elements, dst ", dst.numel()));
-    }
+    SMAT_RETURN_IF_ERROR(CheckCast(src, dst, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     const int64_t n = src.numel();
     if (src.dtype() == dst.dtype()) {
@@ -442,10 +362,8 @@ class CudaModelKernels final : public ModelKernels {
 
   absl::Status AdamWUpdate(Tensor& value, const Tensor& grad, Tensor& m, Tensor& v,
                            const AdamWScalars& a, Stream* stream) override {
-    SMAT_RETURN_IF_ERROR(Expect(value, DType::kF32, value.shape(), "AdamWUpdate", "value"));
-    SMAT_RETURN_IF_ERROR(Expect(grad, DType::kF32, value.shape(), "AdamWUpdate", "grad"));
-    SMAT_RETURN_IF_ERROR(Expect(m, DType::kF32, value.shape(), "AdamWUpdate", "m"));
-    SMAT_RETURN_IF_ERROR(Expect(v, DType::kF32, value.shape(), "AdamWUpdate", "v"));
+    SMAT_RETURN_IF_ERROR(CheckElementwise(
+        "AdamWUpdate", {{value, "value"}, {grad, "grad"}, {m, "m"}, {v, "v"}}, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     const CudaAdamWScalars scalars{a.grad_scale, a.beta1, a.one_minus_beta1,
                                    a.beta2,      a.one_minus_beta2, a.eps,
@@ -457,13 +375,9 @@ class CudaModelKernels final : public ModelKernels {
 
   // --------------------------------------------------------------- gradient norm
   absl::StatusOr<double> SumOfSquares(absl::Span<const Tensor> tensors, Stream* stream) override {
+    SMAT_RETURN_IF_ERROR(CheckSumOfSquares(tensors, device()));
     int64_t blocks = 0;
-    for (size_t k = 0; k < tensors.size(); ++k) {
-      const Tensor& t = tensors[k];
-      SMAT_RETURN_IF_ERROR(Expect(t, DType::kF32, t.shape(), "SumOfSquares",
-                                  absl::StrCat("tensor ", k).c_str()));
-      blocks += SumOfSquaresBlocks(t.numel());
-    }
+    for (const Tensor& t : tensors) blocks += SumOfSquaresBlocks(t.numel());
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     Scratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(double* partials, scratch.Get<double>(blocks));  // in tensor order
@@ -500,40 +414,8 @@ class CudaModelKernels final : public ModelKernels {
     return stream_of_(stream);
   }
 
-  // InvalidArgument unless t is a defined tensor of `dtype` and `shape` on this device.
-  absl::Status Expect(const Tensor& t, DType dtype, absl::Span<const int64_t> shape, const char* op,
-                      const char* operand) const {
-    if (!t.defined()) {
-      return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " is undefined"));
-    }
-    if (!(t.device() == Device::Cuda(device_))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": ", operand, " is on ", t.device().ToString(), "; the CUDA model kernels of ",
-          Device::Cuda(device_).ToString(), " need tensors there (Backend::Copy)"));
-    }
-    if (t.dtype() != dtype) {
-      return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " is ",
-                                                     DTypeName(t.dtype()), "; expected ",
-                                                     DTypeName(dtype)));
-    }
-    if (t.shape() != Shape(shape.begin(), shape.end())) {
-      return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " has shape ",
-                                                     ShapeToString(t.shape()), "; expected ",
-                                                     ShapeToString(shape)));
-    }
-    return absl::OkStatus();
-  }
-
-  // Rank-2 fp32 tensor on this device: returns {rows, cols}.
-  absl::StatusOr<std::pair<int64_t, int64_t>> Matrix(const Tensor& t, const char* op,
-                                                     const char* operand) const {
-    if (!t.defined() || t.rank() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " must be a rank-2 tensor",
-                                                     t.defined() ? "; got " + t.DebugString() : ""));
-    }
-    SMAT_RETURN_IF_ERROR(Expect(t, DType::kF32, t.shape(), op, operand));
-    return std::make_pair(t.dim(0), t.dim(1));
-  }
+  // Where this object's operands live (kernels/model_kernels_check.h).
+  Device device() const { return Device::Cuda(device_); }
 
   // InvalidArgument "<what> <id> at row <i> is outside [0, V)<hint>" for the
   // first row whose index is outside [0, V) (only rows with a non-zero weight
@@ -560,32 +442,19 @@ class CudaModelKernels final : public ModelKernels {
         absl::StrCat(what, " ", id, " at row ", row, " is outside [0, ", V, ")", hint));
   }
 
-  // The kernels' enumerator for f; InvalidArgument for a value outside FeatureMap,
-  // as the CPU.
-  static absl::StatusOr<CudaFeatureMap> ToCuda(FeatureMap f, const char* op) {
-    switch (f) {
-      case FeatureMap::kEluPlusOne:
-        return CudaFeatureMap::kEluPlusOne;
-      case FeatureMap::kReluEps:
-        return CudaFeatureMap::kReluEps;
-    }
-    return absl::InvalidArgumentError(absl::StrCat(op, ": unknown feature map ",
-                                                   static_cast<int>(f),
-                                                   "; expected kEluPlusOne or kReluEps"));
-  }
+  // The kernels' enumerator for f, once CheckFeatureMap has accepted f (the
+  // static_asserts above keep the two enumerations in step).
+  static CudaFeatureMap ToCuda(FeatureMap f) { return static_cast<CudaFeatureMap>(f); }
 
   absl::Status Softplus(const Tensor& x, Tensor& y, bool negate, const char* op, Stream* stream) {
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), op, "x"));
-    SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, x.shape(), op, "y"));
+    SMAT_RETURN_IF_ERROR(CheckElementwise(op, {{x, "x"}, {y, "y"}}, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(LaunchSoftplus(F32(x), F32(y), x.numel(), negate, max_blocks_, s), op);
   }
 
   absl::Status SigmoidTimes(const Tensor& x, const Tensor& dy, Tensor& dx, bool negate,
                             const char* op, Stream* stream) {
-    SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.shape(), op, "x"));
-    SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, x.shape(), op, "dy"));
-    SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, x.shape(), op, "dx"));
+    SMAT_RETURN_IF_ERROR(CheckElementwise(op, {{x, "x"}, {dy, "dy"}, {dx, "dx"}}, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(
         LaunchSigmoidTimes(F32(x), F32(dy), F32(dx), x.numel(), negate, max_blocks_, s), op);
