@@ -11,6 +11,13 @@
 #include "core/status.h"
 
 namespace smat {
+namespace {
+
+// Values generated on the host for one RandomOnDevice call, at most (256 MiB
+// of fp32).
+constexpr int64_t kRandomBlockElements = int64_t{1} << 26;
+
+}  // namespace
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -26,14 +33,25 @@ double NowSeconds() {
 
 absl::StatusOr<Tensor> RandomOnDevice(Backend& backend, Shape shape, DType dtype, uint64_t seed,
                                       float lo, float hi) {
-  SMAT_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(shape, DType::kF32));
+  const int64_t numel = NumElements(shape);
+  const bool tiled = !backend.device().is_cpu() && numel > kRandomBlockElements;
+  SMAT_ASSIGN_OR_RETURN(Tensor host,
+                        Tensor::Empty({tiled ? kRandomBlockElements : numel}, DType::kF32));
   SMAT_RETURN_IF_ERROR(FillUniform(host, seed, 0, lo, hi));
   if (dtype != DType::kF32) {
     SMAT_ASSIGN_OR_RETURN(host, ConvertDType(host, dtype));
   }
-  if (backend.device().is_cpu()) return host;
+  if (backend.device().is_cpu()) return host.View(0, shape);
   SMAT_ASSIGN_OR_RETURN(Tensor dev, Tensor::Empty(std::move(shape), dtype, backend.allocator()));
-  SMAT_RETURN_IF_ERROR(backend.Copy(host, dev));
+  // Above one block the device tensor repeats the block: generating billions
+  // of values on one host core took minutes at T = 4M, and the timings do not
+  // depend on the values.
+  Tensor flat = dev.View(0, {numel});
+  for (int64_t at = 0; at < numel; at += host.numel()) {
+    const int64_t n = std::min(host.numel(), numel - at);
+    Tensor dst = flat.View(at, {n});
+    SMAT_RETURN_IF_ERROR(backend.Copy(host.View(0, {n}), dst));
+  }
   SMAT_RETURN_IF_ERROR(backend.Synchronize(nullptr));
   return dev;
 }

@@ -23,7 +23,8 @@ double NowSeconds();
 
 // Uniform random values in [lo, hi) from Philox (seed, so a run is
 // reproducible), made on the host in fp32, converted to `dtype` and moved to
-// the backend's device (returned as is on the CPU backend).
+// the backend's device (returned as is on the CPU backend). On a device, a
+// tensor of more than 2^26 elements repeats its first 2^26 values.
 absl::StatusOr<Tensor> RandomOnDevice(Backend& backend, Shape shape, DType dtype, uint64_t seed,
                                       float lo, float hi);
 
