@@ -4,11 +4,14 @@
 // tile products with the staging and FFMA blocking of smat_fast_tiles.cuh.
 // smat_grouped.cu holds the general kernels and picks these when the sizes
 // fit. fp32 FFMA throughout, each output summed in a fixed order, no atomics.
+// The outer sums run on tensor cores instead (smat_grouped_mma.cu) where
+// SmatUseMmaGroupedOuterSums says so (SMAT_CUDA_GROUPED=mma|ffma).
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
 #include "kernels/cuda/smat_fast_tiles.cuh"
+#include "kernels/cuda/smat_grouped_mma.h"
 
 namespace smat {
 namespace {
@@ -319,6 +322,9 @@ cudaError_t LaunchSmatGroupedOuterSumFast(const SmatCudaDims& d, const SmatToken
                                           const SmatMatrixLayout& lay, float* out,
                                           cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatUseMmaGroupedOuterSums(d)) {
+    return LaunchSmatGroupedOuterSumMma(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
+  }
   return d.bf16 ? LaunchOuter<__nv_bfloat16>(d, groups, segments, a, b, b_is_v, w, lay, out, stream)
                 : LaunchOuter<float>(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
 }

@@ -1,0 +1,295 @@
+// The grouped outer sums of the SMat op on tensor cores (mma.sync m16n8k16,
+// bf16 operands, fp32 accumulation):
+//   out[(b, g, h), segment] = sum over the segment's tokens i of group g of
+//                             (w_i a_i) b_i^T        (r x p)
+// with a = psi or phi and b = vbar = [v, 1] or gbar: the chunk summaries (F2),
+// profile pooling (F4), the chunk state gradients (B5) and the type-table
+// gradient of B2 (LaunchSmatGroupedOuterSum's contract, smat_cuda_kernels.h).
+// SMAT_CUDA_GROUPED=mma selects them, =ffma the FFMA kernel of
+// smat_grouped_fast.cu; unset, kMmaGroupedByDefault decides.
+//
+// Shape. One block of 8 warps per (segment, group, b * H), the segment's
+// tokens 128 at a time. A tile is staged k-major: At[m][t] = w_t a_t[m]
+// (64 rows) and Bt[n][t] = b_t[n] (72 rows: p = 65 rounded up to n8 tiles), so
+// a fragment register (two consecutive tokens of one row) is one 8-byte
+// shared-memory load. Warp w owns rows 16 (w % 4) .. +15 of the output and
+// n8 tiles 0-4 (w < 4) or 5-8, and walks the tile's tokens 16 at a time.
+// 75.5 KB of shared memory and at most 128 registers: two blocks per SM, so
+// one block's staging overlaps the other's products.
+//
+// Exactness (the scheme of smat_chunk_mma.cu). The tensor cores multiply bf16
+// exactly and accumulate in fp32. w_t a_t (fp32) is split into three bf16
+// parts x = x1 + x2 + x3 (24 significant bits: exact for normal fp32); b is one
+// part when it is bf16 already (v and the ones of vbar for bf16 inputs), else
+// three. The products kept are a1 b, a2 b, a3 b (3 MMAs) or a1b1, a1b2, a2b1,
+// a1b3, a2b2, a3b1 (6 MMAs: every term down to 2^-16 relative); the
+// correction terms go, smallest first, to an accumulator of their own that is
+// added to the a1 b1 accumulator once at the end. The error is then that of an
+// fp32 sum with a few extra roundings, as for the FFMA kernel (tests:
+// tests/gpu/smat_gpu_test.cc, every grouped phase against the CPU within
+// 1e-5). Determinism: each output is summed in a fixed order (16-token steps
+// in list order, fixed term order), no atomics.
+#include "kernels/cuda/smat_grouped_mma.h"
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/cuda/smat_fast_tiles.cuh"
+
+namespace smat {
+namespace {
+
+using cuda_detail::TokenRow;
+using fast_tiles::Aligned16;
+using fast_tiles::kBatch;
+using fast_tiles::LoadVec;
+using fast_tiles::ToF;
+
+constexpr int kThreads = 256;
+constexpr int kC = 128;       // tokens staged at a time
+constexpr int kMPad = 64;     // output rows: r <= 64
+constexpr int kNPad = 72;     // output columns: p <= 72 (nine n8 tiles)
+constexpr int kLd = kC + 8;   // 136 = 8 mod 32: a half-warp's 8-byte fragment loads hit 32 banks
+
+constexpr int kOffB = kMPad * kLd;
+constexpr int kOffW = kOffB + kNPad * kLd;
+constexpr int kOffRows = kOffW + kC;  // int64 token rows from here (even: 8-byte aligned)
+constexpr int kSmemBytes = kOffRows * 4 + kC * 8;
+static_assert(kOffRows % 2 == 0, "token rows must be 8-byte aligned");
+
+// Whether the tensor-core outer sums run when SMAT_CUDA_GROUPED is unset
+// ("mma": always where they fit; "ffma": never).
+constexpr bool kMmaGroupedByDefault = false;
+
+// Two fp32 values (lower k first) as one register of two bf16.
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// x = x1 + x2 + x3, each part bf16 (x1 = bf16(x), x2 = bf16(x - x1), ...).
+__device__ __forceinline__ void Split3(float2 x, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
+  const float a1 = __bfloat162float(__float2bfloat16_rn(x.x));
+  const float b1 = __bfloat162float(__float2bfloat16_rn(x.y));
+  const float ar = x.x - a1, br = x.y - b1;  // exact
+  const float a2 = __bfloat162float(__float2bfloat16_rn(ar));
+  const float b2 = __bfloat162float(__float2bfloat16_rn(br));
+  p1 = PackBf16(a1, b1);
+  p2 = PackBf16(a2, b2);
+  p3 = PackBf16(ar - a2, br - b2);
+}
+
+// c += a b: m16n8k16, a row-major 16 x 16, b column-major 16 x 8.
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// dst[i][t] (ld kLd) = scale[t] * src(rows[t])[i] for i < width, t < nt
+// (scale null: 1); row `ones_row` is 1 for t < nt; everything else up to row
+// npad and token kC is 0 (the padding the products read must be finite
+// zeros). Threads walk t fastest: the stores of a warp hit 32 banks.
+template <typename T>
+__device__ void StageKMajor(const T* __restrict__ src, const int64_t* rows, int width, int nt,
+                            bool vec, const float* scale, int npad, int ones_row, float* dst) {
+  constexpr int V = 16 / sizeof(T);
+  if (vec) {  // width % V == 0 and rows 16-byte aligned
+    const int total = kC * (width / V);
+    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * 4) {
+      float x[4][V];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
+        if (e < total && t < nt) {
+          LoadVec(src + rows[t] * width + q * V, x[u]);
+        } else {
+#pragma unroll
+          for (int z = 0; z < V; ++z) x[u][z] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
+        if (e < total) {
+          const float sc = scale != nullptr && t < nt ? scale[t] : 1.f;
+#pragma unroll
+          for (int z = 0; z < V; ++z) dst[(q * V + z) * kLd + t] = sc * x[u][z];
+        }
+      }
+    }
+  } else {
+    const int total = kC * width;
+    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
+      float x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e & (kC - 1), i = e >> 7;
+        x[u] = e < total && t < nt ? ToF(__ldg(&src[rows[t] * width + i])) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e & (kC - 1), i = e >> 7;
+        if (e < total) {
+          const float sc = scale != nullptr && t < nt ? scale[t] : 1.f;
+          dst[i * kLd + t] = sc * x[u];
+        }
+      }
+    }
+  }
+  for (int e = threadIdx.x; e < kC * (npad - width); e += kThreads) {
+    const int t = e & (kC - 1), i = width + (e >> 7);
+    dst[i * kLd + t] = i == ones_row && t < nt ? 1.f : 0.f;
+  }
+}
+
+// grid (segments, G, batch * H), kThreads threads, kSmemBytes of shared memory.
+// kBParts: 1 when b is bf16 (exact in one part), 3 when it is fp32.
+template <typename In, int kBParts>
+__global__ void __launch_bounds__(kThreads, 2)
+    OuterSumMmaKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
+                      const In* __restrict__ a, const void* __restrict__ bsrc, bool b_is_v,
+                      SmatTokenWeights tw, SmatMatrixLayout lay, float* __restrict__ out) {
+  extern __shared__ float4 smem4[];
+  float* At = reinterpret_cast<float*>(smem4);
+  float* Bt = At + kOffB;
+  float* w = At + kOffW;
+  int64_t* rows = reinterpret_cast<int64_t*>(At + kOffRows);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;  // fragment row / column pair of this lane
+  const int seg = blockIdx.x, grp = blockIdx.y;
+  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
+  const cuda_detail::GroupCursor cur(groups, d, bh, grp);
+  int64_t lo, hi;
+  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
+  const int r = d.r, p = d.p, dv = d.dv;
+  const int m0 = (warp & 3) * 16;
+  const int n_first = warp < 4 ? 0 : 5, n_count = warp < 4 ? 5 : 4;
+  float acc[5][4], cor[5][4];
+#pragma unroll
+  for (int j = 0; j < 5; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
+
+  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+    __syncthreads();  // the previous tile is consumed
+    if (tid < nt) {
+      const int64_t i = cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, b, i, h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+    }
+    __syncthreads();
+    StageKMajor(a, rows, r, nt, vec_in, w, kMPad, -1, At);
+    if (b_is_v) {
+      StageKMajor(static_cast<const In*>(bsrc), rows, dv, nt, vec_in, nullptr, kNPad, dv, Bt);
+    } else {
+      StageKMajor(static_cast<const float*>(bsrc), rows, p, nt, false, nullptr, kNPad, -1, Bt);
+    }
+    __syncthreads();
+    const int ksteps = (nt + 15) >> 4;
+    for (int ks = 0; ks < ksteps; ++ks) {
+      const int k = ks * 16 + 2 * tig;
+      const float* a_lo = At + (m0 + gid) * kLd + k;
+      const float* a_hi = a_lo + 8 * kLd;
+      uint32_t A1[4], A2[4], A3[4];
+      Split3(*reinterpret_cast<const float2*>(a_lo), A1[0], A2[0], A3[0]);
+      Split3(*reinterpret_cast<const float2*>(a_hi), A1[1], A2[1], A3[1]);
+      Split3(*reinterpret_cast<const float2*>(a_lo + 8), A1[2], A2[2], A3[2]);
+      Split3(*reinterpret_cast<const float2*>(a_hi + 8), A1[3], A2[3], A3[3]);
+#pragma unroll
+      for (int j = 0; j < 5; ++j) {
+        if (j >= n_count) break;
+        const float* bp = Bt + ((n_first + j) * 8 + gid) * kLd + k;
+        const float2 y0 = *reinterpret_cast<const float2*>(bp);
+        const float2 y1 = *reinterpret_cast<const float2*>(bp + 8);
+        if constexpr (kBParts == 1) {
+          const uint32_t b0 = PackBf16(y0.x, y0.y), b1 = PackBf16(y1.x, y1.y);
+          Mma(cor[j], A3, b0, b1);
+          Mma(cor[j], A2, b0, b1);
+          Mma(acc[j], A1, b0, b1);
+        } else {
+          uint32_t B1[2], B2[2], B3[2];
+          Split3(y0, B1[0], B2[0], B3[0]);
+          Split3(y1, B1[1], B2[1], B3[1]);
+          Mma(cor[j], A3, B1[0], B1[1]);
+          Mma(cor[j], A2, B2[0], B2[1]);
+          Mma(cor[j], A1, B3[0], B3[1]);
+          Mma(cor[j], A2, B1[0], B1[1]);
+          Mma(cor[j], A1, B2[0], B2[1]);
+          Mma(acc[j], A1, B1[0], B1[1]);
+        }
+      }
+    }
+  }
+
+  float* dst = out + ((static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(grp) * lay.og +
+                       static_cast<int64_t>(h) * lay.oh) *
+                          segments +
+                      seg) *
+                         static_cast<int64_t>(r) * p;
+#pragma unroll
+  for (int j = 0; j < 5; ++j) {
+    if (j >= n_count) break;
+    const int col = (n_first + j) * 8 + 2 * tig;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = m0 + gid + (e >= 2 ? 8 : 0), c = col + (e & 1);
+      if (row < r && c < p) dst[row * p + c] = acc[j][e] + cor[j][e];
+    }
+  }
+}
+
+template <typename In, int kBParts>
+cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                   const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
+                   const SmatMatrixLayout& lay, float* out, cudaStream_t stream) {
+  auto kernel = OuterSumMmaKernel<In, kBParts>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  constexpr int V = 16 / sizeof(In);
+  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && (!b_is_v || Aligned16(b));
+  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(d, groups, segments, vec,
+                                                 static_cast<const In*>(a), b, b_is_v, w, lay, out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool SmatUseMmaGroupedOuterSums(const SmatCudaDims& d) {
+  const char* env = std::getenv("SMAT_CUDA_GROUPED");
+  if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
+  if (!kMmaGroupedByDefault && (env == nullptr || std::strcmp(env, "mma") != 0)) return false;
+  if (d.chunk > kC || d.r > kMPad || d.p > kNPad) return false;
+  int dev = 0, major = 0, smem = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
+    return false;
+  }
+  return major >= 8 && smem >= kSmemBytes;
+}
+
+cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& d, const SmatTokenGroups& groups,
+                                         int segments, const void* a, const void* b, bool b_is_v,
+                                         const SmatTokenWeights& w, const SmatMatrixLayout& lay,
+                                         float* out, cudaStream_t stream) {
+  if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (d.bf16) {
+    return b_is_v ? Launch<__nv_bfloat16, 1>(d, groups, segments, a, b, b_is_v, w, lay, out, stream)
+                  : Launch<__nv_bfloat16, 3>(d, groups, segments, a, b, b_is_v, w, lay, out,
+                                             stream);
+  }
+  return Launch<float, 3>(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
+}
+
+}  // namespace smat

@@ -1,0 +1,25 @@
+// The grouped SMat outer sums (F2 chunk summaries, profile pooling, B5 chunk
+// state gradients, the type-table gradient of B2) on tensor cores: see
+// smat_grouped_mma.cu. smat_grouped_fast.cu calls them where
+// SmatUseMmaGroupedOuterSums says so.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/smat_cuda_kernels.h"
+
+namespace smat {
+
+// The sizes fit (c <= 128, r <= 64, p <= 72), the device has sm_80 tensor
+// cores and the shared memory, and SMAT_CUDA_GROUPED asks for them ("mma"; or
+// unset, where the default of smat_grouped_mma.cu applies; "ffma" keeps the
+// FFMA outer sums of smat_grouped_fast.cu).
+bool SmatUseMmaGroupedOuterSums(const SmatCudaDims& dims);
+
+// LaunchSmatGroupedOuterSum's contract (smat_cuda_kernels.h), on tensor cores.
+cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                         int segments, const void* a, const void* b, bool b_is_v,
+                                         const SmatTokenWeights& w, const SmatMatrixLayout& layout,
+                                         float* out, cudaStream_t stream);
+
+}  // namespace smat
