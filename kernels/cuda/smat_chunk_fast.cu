@@ -8,7 +8,8 @@
 // general kernels (any c, r, dv) and pick this path when the sizes fit; the
 // chunk tiles run on tensor cores (smat_chunk_mma.cu) where
 // SmatUseMmaChunkTiles says so (SMAT_CUDA_CHUNK_TILES=ffma: the FFMA tiles
-// below, "mma": tensor cores for every chunk tile).
+// below, "mma": tensor cores for every chunk tile; B7 of bf16 inputs then runs
+// as one kernel for all three outputs, smat_chunk_bwd_mma.cu).
 //
 // Every tile here has the same shape, so one kernel template serves all four:
 //   X[row][col] = gate * (P[:, row] . Q[:, col]), masked to s <= t   (score)

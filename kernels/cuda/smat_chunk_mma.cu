@@ -3,8 +3,10 @@
 // and fp32 accumulation, for c <= 128 tokens and r, dv <= 64 (the sizes of the
 // FFMA tiles of smat_chunk_fast.cu, which stay selectable with
 // SMAT_CUDA_CHUNK_TILES=ffma and serve devices without the shared memory). By
-// default the forward tile of bf16 inputs runs here, the others on FFMA (the
-// faster of each; SMAT_CUDA_CHUNK_TILES=mma runs all four here).
+// default the forward tile of bf16 inputs runs here and B7 of bf16 inputs as
+// the single kernel of smat_chunk_bwd_mma.cu, the fp32 backward on FFMA (the
+// faster of each; SMAT_CUDA_CHUNK_TILES=mma runs every chunk tile on tensor
+// cores: the fused B7 for bf16 inputs, the three tiles below for fp32).
 //
 // The four tiles have the shape of smat_chunk_fast.cu (see its table):
 //   X[row][col] = gate * (P[:, row] . Q[:, col]), masked to s <= t   (score)
@@ -517,11 +519,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 // "ffma" overrides): the faster on an H200 at the benchmark shape (r = dv = 64,
 // c = 128, 2026-11-30). Forward, bf16 inputs: 4.95 ms here against 6.04 ms
 // with FFMA (gated 5.96 against 6.32); fp32 inputs, whose every product takes
-// 6 MMAs and splits on every fragment load: 7.94 against 6.71. Backward:
-// 35.9 ms against 21.7 ms. See docs/PERFORMANCE.md for why.
+// 6 MMAs and splits on every fragment load: 7.94 against 6.71. Backward, fp32
+// inputs: the three tiles below took 35.9 ms against 21.7 ms (see
+// docs/PERFORMANCE.md for why); bf16 inputs: the fused kernel of
+// smat_chunk_bwd_mma.cu (one staging for all three outputs).
 constexpr bool kMmaForwardBf16ByDefault = true;
 constexpr bool kMmaForwardF32ByDefault = false;
-constexpr bool kMmaBackwardByDefault = false;
+constexpr bool kMmaBackwardBf16ByDefault = true;
+constexpr bool kMmaBackwardF32ByDefault = false;
 
 template <Kind kKind, typename In>
 cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
@@ -569,7 +574,7 @@ bool SmatUseMmaChunkTiles(const SmatCudaDims& d, bool backward) {
   if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
   if (!SmatChunkMmaTilesFit(d)) return false;
   if (env != nullptr && std::strcmp(env, "mma") == 0) return true;
-  if (backward) return kMmaBackwardByDefault;
+  if (backward) return d.bf16 ? kMmaBackwardBf16ByDefault : kMmaBackwardF32ByDefault;
   return d.bf16 ? kMmaForwardBf16ByDefault : kMmaForwardF32ByDefault;
 }
 
@@ -589,6 +594,10 @@ cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& d, const void*
                                               float* phi_bar, float* psi_bar, float* v_bar,
                                               cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatChunkBackwardFusedFits(d)) {
+    return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
+                                               D_bar, phi_bar, psi_bar, v_bar, stream);
+  }
   cudaError_t err = LaunchAny<Kind::kQuery>(d, phi, psi, v, gbar, lam, chunk_decay, S_in,
                                             phi_bar, stream);
   if (err != cudaSuccess) return err;

@@ -213,7 +213,9 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const v
 // SmatUseMmaChunkTiles: the sizes fit the fast tiles, the device has them
 // (sm_80 or later, SmatChunkMmaTilesSmemBytes of shared memory per block), and
 // SMAT_CUDA_CHUNK_TILES is "mma", or unset and the tile runs faster on them
-// (today the forward tile of bf16 inputs; "ffma" keeps the FFMA tiles).
+// (today the forward tile and B7 of bf16 inputs; "ffma" keeps the FFMA tiles).
+// B7 of bf16 inputs runs there as one kernel for all three outputs
+// (smat_chunk_bwd_mma.cu), fp32 inputs as three tiles.
 bool SmatChunkMmaTilesFit(const SmatCudaDims& dims);
 bool SmatUseMmaChunkTiles(const SmatCudaDims& dims, bool backward);
 int64_t SmatChunkMmaTilesSmemBytes();
@@ -226,5 +228,19 @@ cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& dims, const vo
                                               const float* gbar, const float* D_bar,
                                               float* phi_bar, float* psi_bar, float* v_bar,
                                               cudaStream_t stream);
+
+// ---- smat_chunk_bwd_mma.cu ------------------------------------------------------
+
+// B7 for bf16 inputs as one tensor-core kernel (phi_bar, psi_bar and v_bar
+// from one staging of the chunk); fits where the fast tiles do, on sm_80 or
+// later with its shared memory. LaunchSmatChunkOutputsBackwardMma uses it then.
+bool SmatChunkBackwardFusedFits(const SmatCudaDims& dims);
+cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& dims, const void* phi,
+                                                const void* psi, const void* v,
+                                                const float* lam, const float* chunk_decay,
+                                                const float* S_in, const float* gbar,
+                                                const float* D_bar, float* phi_bar,
+                                                float* psi_bar, float* v_bar,
+                                                cudaStream_t stream);
 
 }  // namespace smat

@@ -6,8 +6,10 @@
 // positional and content maps, whole spans and spans starting inside the
 // sequence, fp32 and bf16 inputs. SMAT_CUDA_CHUNK_TILES picks the chunk-tile
 // kernels checked where the fast sizes fit (c <= 128, r, dv <= 64: every case
-// below): unset, the tensor-core forward tile (smat_chunk_mma.cu) for bf16
-// inputs and FFMA tiles otherwise; "mma", tensor cores for all four; "ffma",
+// below): unset, tensor cores for the forward tile (smat_chunk_mma.cu) and
+// B7 (the fused kernel of smat_chunk_bwd_mma.cu) of bf16 inputs and FFMA tiles
+// otherwise; "mma", tensor cores for all four (B7 of fp32 inputs as the three
+// tiles of smat_chunk_mma.cu); "ffma",
 // the FFMA tiles of smat_chunk_fast.cu; "general", the general kernels
 // (smat_chunk.cu). Run all four when any changes. Device outputs are
 // NaN-poisoned before each
@@ -119,6 +121,14 @@ std::vector<Case> Cases() {
   // The hardest case for split tensor-core products: fp32 and gated (every
   // operand of every chunk product split, the score tile scaled by the gates).
   add(1, 1031, 2, 64, 64, 2, 128, true, false, 0.0, false, 0, 12);
+  // The fused tensor-core B7 of bf16 inputs (smat_chunk_bwd_mma.cu): ungated
+  // over several heads and batches from a span inside the sequence; widths
+  // that are not multiples of 8 (rows staged one element at a time) with a
+  // single 32-column half of v_bar; and c = 64 with dv between 32 and 64, so
+  // that half the warps hold only the second v_bar half of an earlier block.
+  add(2, 1031, 3, 64, 64, 2, 128, false, false, 0.0, true, 128, 13);
+  add(1, 1000, 2, 33, 17, 2, 128, true, false, 0.0, true, 256, 14);
+  add(1, 700, 2, 40, 47, 1, 64, true, false, 0.0, true, 64, 15);
   return cs;
 }
 

@@ -1,0 +1,656 @@
+// B7 (eq. 19 of Appendix E, gated by Lemma 4) for bf16 inputs in one kernel
+// on tensor cores: phi_bar, psi_bar and v_bar of a chunk from one staging of
+// phi, psi, v and gbar, for c <= 128 tokens and r, dv <= 64. Per chunk k and
+// (b, h), with t, s tokens of the chunk, W[t, s] = exp(lam[t] - lam[s]) for
+// s <= t (else 0; ungated: 1), G[t, s] = gbar_t . vbar_s, A[t, s] = phi_t . psi_s:
+//   phi_bar_t += exp(lam_t) S_in gbar_t   + sum_{s <= t} W G[t, s] psi_s     (query rows)
+//   psi_bar_s += w_s D_bar vbar_s         + sum_{t >= s} W G[t, s] phi_t     (key rows)
+//   v_bar_s   += w_s (D_bar^T psi_s)[:dv] + sum_{t >= s} W A[t, s] gbar_t[:dv]
+// (w_s = exp(chunk_decay[k] - lam_s)). LaunchSmatChunkOutputsBackwardMma runs it
+// for bf16 inputs (the default where SmatUseMmaChunkTiles says so, and with
+// SMAT_CUDA_CHUNK_TILES=mma); fp32 inputs keep the three tiles of
+// smat_chunk_mma.cu, and SMAT_CUDA_CHUNK_TILES=ffma the FFMA tiles of
+// smat_chunk_fast.cu.
+//
+// Staging, once per block: phi, psi, v as bf16 token rows (cp.async, 16 bytes
+// at a time where rows allow it), and gbar[:, 0:dv] split into three bf16
+// parts (x = x1 + x2 + x3, as in smat_chunk_mma.cu), each [128][72] bf16 (the
+// 144-byte pitch puts the 8 rows of an ldmatrix in distinct bank groups), all
+// zero beyond the chunk's tokens and widths. The ones column of vbar never
+// enters a product: its terms are fp32 additions (gbar[t][dv] in every score
+// G[t, s], D_bar[:, dv] in the key side, gbar[t][dv] S_in[:, dv] in the query
+// side). 110 KB of shared memory and <= 128 registers: two blocks per SM, so
+// one block's staging overlaps the other's products.
+//
+// Products: mma.sync m16n8k16 bf16 with fp32 accumulation. Each warp owns
+// 16-row output blocks; for each live 16-token block of the other side it
+// computes the 16 x 16 score tile in the orientation its rows need (G for
+// query rows, G^T and A^T for key rows: recomputing is cheaper than a
+// transpose through memory), applies the mask and W in registers, splits the
+// fp32 tile into three bf16 A fragments (the accumulator layout of m16n8 is
+// the A layout of m16k16) and multiplies by the staged rows of that block
+// (ldmatrix, .trans where the k index is the token). Dead causal blocks are
+// skipped. Warp w takes query rows w (w + 1 blocks), key rows w for psi_bar
+// (8 - w), and v_bar in two 32-column halves, key rows w (8 - w) and 7 - w
+// (w + 1): every warp does the same work on a full chunk.
+//
+// Exactness (the scheme of smat_chunk_mma.cu): bf16 inputs enter as one part;
+// every fp32 operand (gbar, S_in, D_bar, the score tiles) as three, a product
+// with one fp32 operand takes 3 MMAs and with two 6 (the terms down to 2^-16
+// relative), the correction terms summed small ones first in an accumulator of
+// their own, added to the leading one at the end. Each output element is summed
+// in a fixed order, read, added to and written by one thread, no atomics: the
+// same inputs give the same bits, within 1e-5 of the CPU phases
+// (tests/gpu/smat_gpu_test.cc).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_fast_tiles.cuh"
+
+namespace smat {
+namespace {
+
+using cuda_detail::ChunkRow;
+using cuda_detail::TokenRow;
+
+constexpr int kThreads = 256;
+constexpr int kC = 128;             // chunk tokens held
+constexpr int kW = 64;              // widest r or dv
+constexpr int kLd = 72;             // bf16 row pitch of every staged tile
+constexpr int kTile = kC * kLd;     // bf16 elements of one staged tile
+// Shared memory: phi, psi, v, gbar parts 1, 2, 3 (bf16 [kC][kLd] each), then
+// fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s.
+constexpr int kPhi = 0, kPsi = 1, kV = 2, kG = 3;  // tile indices
+constexpr int kTiles = 6;
+constexpr int kSmemBytes = kTiles * kTile * 2 + 4 * kC * 4;
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Four 8 x 8 bf16 matrices; lanes 8 i .. 8 i + 7 address the rows of matrix i.
+__device__ __forceinline__ void Ldsm4(uint32_t (&x)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void Ldsm4T(uint32_t (&x)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+               : "r"(addr));
+}
+
+// c += a b for one m16n8k16 tile.
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // SmatChunkBackwardFusedFits keeps older devices off this path
+#endif
+}
+
+__device__ __forceinline__ uint32_t Pack(__nv_bfloat162 h) {
+  uint32_t u;
+  std::memcpy(&u, &h, sizeof(u));
+  return u;
+}
+
+// The three bf16 parts of the pair (x0, x1), x0 in the low half.
+__device__ __forceinline__ void Split3(float x0, float x1, uint32_t& p1, uint32_t& p2,
+                                      uint32_t& p3) {
+  const __nv_bfloat162 h1 = __floats2bfloat162_rn(x0, x1);
+  const float r0 = x0 - __low2float(h1), r1 = x1 - __high2float(h1);  // exact
+  const __nv_bfloat162 h2 = __floats2bfloat162_rn(r0, r1);
+  p1 = Pack(h1);
+  p2 = Pack(h2);
+  p3 = Pack(__floats2bfloat162_rn(r0 - __low2float(h2), r1 - __high2float(h2)));
+}
+
+// A fragments (3 parts) of a 16 x 16 fp32 tile held as two m16n8 accumulators.
+__device__ __forceinline__ void SplitTile(const float (&x)[2][4], uint32_t (&a)[3][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      Split3(x[nt][2 * hr], x[nt][2 * hr + 1], a[0][2 * nt + hr], a[1][2 * nt + hr],
+             a[2][2 * nt + hr]);
+}
+
+// c (hi, lo) += A B with A exact (1 part) and B in 3 parts (b[part][reg]).
+__device__ __forceinline__ void Mma1x3(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&b)[3][2]) {
+  Mma(lo, a, b[2][0], b[2][1]);
+  Mma(lo, a, b[1][0], b[1][1]);
+  Mma(hi, a, b[0][0], b[0][1]);
+}
+// A in 3 parts, B exact.
+__device__ __forceinline__ void Mma3x1(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[3][4],
+                                       uint32_t b0, uint32_t b1) {
+  Mma(lo, a[2], b0, b1);
+  Mma(lo, a[1], b0, b1);
+  Mma(hi, a[0], b0, b1);
+}
+// Both in 3 parts: the terms of relative order <= 2^-16, smallest first.
+__device__ __forceinline__ void Mma3x3(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[3][4],
+                                       const uint32_t (&b)[3][2]) {
+  Mma(lo, a[0], b[2][0], b[2][1]);
+  Mma(lo, a[1], b[1][0], b[1][1]);
+  Mma(lo, a[2], b[0][0], b[0][1]);
+  Mma(lo, a[0], b[1][0], b[1][1]);
+  Mma(lo, a[1], b[0][0], b[0][1]);
+  Mma(hi, a[0], b[0][0], b[0][1]);
+}
+
+// What every warp of a block shares.
+struct Block {
+  uint32_t tiles;  // shared address of tile 0
+  const float* gcol;
+  const float* lam;
+  const float* wq;
+  const float* wk;
+  int ce, nb, r, dv, p, kd, kr;
+  int lane, g, tq;
+  // Per-lane element offsets of the ldmatrix row addresses: A (rows m, k
+  // contiguous), B from rows n with k contiguous, B from rows k (.trans).
+  int off_a, off_bn, off_bt;
+  __device__ uint32_t Addr(int tile, int row, int col, int off) const {
+    return tiles + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
+  }
+};
+
+// B fragments (3 parts) of an 8-column n-tile, element (k, n) = M[k * sk + n * sn]
+// for k < kmax, n < nmax (0 elsewhere); k0 the tile's first k, n the lane's
+// column.
+__device__ __forceinline__ void LoadSplitB(const float* M, int sk, int sn, int k0, int n,
+                                           int kmax, int nmax, int tq, uint32_t (&b)[3][2]) {
+  float x[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int k = k0 + 2 * tq + (u & 1) + 8 * (u >> 1);
+    x[u] = k < kmax && n < nmax ? __ldg(&M[k * sk + n * sn]) : 0.f;
+  }
+  Split3(x[0], x[1], b[0][0], b[1][0], b[2][0]);
+  Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
+}
+
+// Adds hi + lo of a 16 x 64 (kNt n-tiles) accumulator into out rows m0 + ...
+template <int kNt>
+__device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int m0, int n0, int width,
+                                          const float (&hi)[kNt][4], const float (&lo)[kNt][4],
+                                          float* __restrict__ out) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = m0 + bk.g + 8 * hr;
+    if (m >= bk.ce) continue;
+    float* o = out + TokenRow(d, b, c0 + m, h) * width;
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int n = n0 + 8 * nt + 2 * bk.tq + e1, e = 2 * hr + e1;
+        if (n < width) o[n] += hi[nt][e] + lo[nt][e];
+      }
+  }
+}
+
+// phi_bar rows t of block i: side S_in gbar_t scaled by wq, then the causal sum.
+template <bool kGated>
+__device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int i, const float* __restrict__ S,
+                                          float* __restrict__ phi_bar) {
+  const int g = bk.g, tq = bk.tq, r = bk.r, dv = bk.dv, p = bk.p;
+  float hi[8][4], lo[8][4];
+  float gc[2], lt[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    gc[hr] = bk.gcol[16 * i + g + 8 * hr];
+    lt[hr] = bk.lam[16 * i + g + 8 * hr];
+  }
+  // Side: sum_{k < dv} gbar[t][k] S[n][k] + gbar[t][dv] S[n][dv], in two
+  // halves of 32 columns.
+#pragma unroll
+  for (int nh = 0; nh < 2; ++nh) {
+    float sh[4][4], sl[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
+    if (32 * nh < r) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        if (ks >= bk.kd) continue;
+        uint32_t a[3][4];
+#pragma unroll
+        for (int q = 0; q < 3; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          uint32_t bs[3][2];
+          LoadSplitB(S, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, bs);
+          Mma3x3(sh[nt], sl[nt], a, bs);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * i + g + 8 * (e >> 1);
+        const float sdv = n < r ? __ldg(&S[n * p + dv]) : 0.f;
+        const float side = fmaf(gc[e >> 1], sdv, sh[nt][e] + sl[nt][e]);
+        hi[4 * nh + nt][e] = kGated ? bk.wq[row] * side : side;
+        lo[4 * nh + nt][e] = 0.f;
+      }
+  }
+  // Causal sum over key blocks j <= i.
+  for (int j = 0; j <= i; ++j) {
+    float sc[2][4], scl[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = scl[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks >= bk.kd) continue;
+      uint32_t a[3][4], bv[4];
+#pragma unroll
+      for (int q = 0; q < 3; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
+      Ldsm4(bv, bk.Addr(kV, 16 * j, 16 * ks, bk.off_bn));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) Mma3x1(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
+    }
+    // X[t, s] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
+        float x = (sc[nt][e] + scl[nt][e]) + gc[e >> 1];
+        if (kGated) x *= expf(lt[e >> 1] - bk.lam[s]);
+        sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
+      }
+    uint32_t xa[3][4];
+    SplitTile(sc, xa);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (16 * np >= r) continue;
+      uint32_t bp[4];
+      Ldsm4T(bp, bk.Addr(kPsi, 16 * j, 16 * np, bk.off_bt));
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2)
+        Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
+    }
+  }
+  StoreRows<8>(bk, d, b, h, c0, 16 * i, 0, r, hi, lo, phi_bar);
+}
+
+// psi_bar rows s of block j: side w_s D_bar vbar_s, then the causal sum.
+template <bool kGated>
+__device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                           int64_t c0, int j, const float* __restrict__ D,
+                                           float* __restrict__ psi_bar) {
+  const int g = bk.g, tq = bk.tq, r = bk.r, dv = bk.dv, p = bk.p;
+  float hi[8][4], lo[8][4];
+  float ls[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam[16 * j + g + 8 * hr];
+  // Side: sum_{k < dv} D[n][k] v_s[k] + D[n][dv], in two halves of 32 columns.
+#pragma unroll
+  for (int nh = 0; nh < 2; ++nh) {
+    float sh[4][4], sl[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
+    if (32 * nh < r) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        if (ks >= bk.kd) continue;
+        uint32_t a[4];
+        Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          uint32_t bd[3][2];
+          LoadSplitB(D, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, bd);
+          Mma1x3(sh[nt], sl[nt], a, bd);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * j + g + 8 * (e >> 1);
+        const float ddv = n < r ? __ldg(&D[n * p + dv]) : 0.f;
+        const float side = (sh[nt][e] + sl[nt][e]) + ddv;
+        hi[4 * nh + nt][e] = kGated ? bk.wk[row] * side : side;
+        lo[4 * nh + nt][e] = 0.f;
+      }
+  }
+  // Causal sum over query blocks i >= j.
+  for (int i = j; i < bk.nb; ++i) {
+    float sc[2][4], scl[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = scl[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks >= bk.kd) continue;
+      uint32_t a[4], bg[3][4];
+      Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
+#pragma unroll
+      for (int q = 0; q < 3; ++q) Ldsm4(bg[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_bn));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t bb[3][2] = {{bg[0][2 * nt], bg[0][2 * nt + 1]},
+                                   {bg[1][2 * nt], bg[1][2 * nt + 1]},
+                                   {bg[2][2 * nt], bg[2][2 * nt + 1]}};
+        Mma1x3(sc[nt], scl[nt], a, bb);
+      }
+    }
+    // X^T[s, t] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
+        float x = (sc[nt][e] + scl[nt][e]) + bk.gcol[t];
+        if (kGated) x *= expf(bk.lam[t] - ls[e >> 1]);
+        sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
+      }
+    uint32_t xa[3][4];
+    SplitTile(sc, xa);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (16 * np >= r) continue;
+      uint32_t bp[4];
+      Ldsm4T(bp, bk.Addr(kPhi, 16 * i, 16 * np, bk.off_bt));
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2)
+        Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
+    }
+  }
+  StoreRows<8>(bk, d, b, h, c0, 16 * j, 0, r, hi, lo, psi_bar);
+}
+
+// v_bar rows s of block j, columns [32 hf, 32 hf + 32): side w_s D_bar^T psi_s,
+// then the causal sum.
+template <bool kGated>
+__device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                         int64_t c0, int j, int hf, const float* __restrict__ D,
+                                         float* __restrict__ v_bar) {
+  const int g = bk.g, tq = bk.tq, r = bk.r, dv = bk.dv, p = bk.p;
+  const int n0 = 32 * hf;
+  float hi[4][4], lo[4][4];
+  float ls[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam[16 * j + g + 8 * hr];
+  {
+    float sh[4][4], sl[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks >= bk.kr) continue;
+      uint32_t a[4];
+      Ldsm4(a, bk.Addr(kPsi, 16 * j, 16 * ks, bk.off_a));
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        uint32_t bd[3][2];
+        LoadSplitB(D, p, 1, 16 * ks, n0 + 8 * nt + g, r, dv, tq, bd);
+        Mma1x3(sh[nt], sl[nt], a, bd);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * j + g + 8 * (e >> 1);
+        const float side = sh[nt][e] + sl[nt][e];
+        hi[nt][e] = kGated ? bk.wk[row] * side : side;
+        lo[nt][e] = 0.f;
+      }
+  }
+  for (int i = j; i < bk.nb; ++i) {
+    float sc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks >= bk.kr) continue;
+      uint32_t a[4], bp[4];
+      Ldsm4(a, bk.Addr(kPsi, 16 * j, 16 * ks, bk.off_a));
+      Ldsm4(bp, bk.Addr(kPhi, 16 * i, 16 * ks, bk.off_bn));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) Mma(sc[nt], a, bp[2 * nt], bp[2 * nt + 1]);
+    }
+    // X^T[s, t] = W[t, s] A[t, s] for s <= t < ce.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
+        float x = sc[nt][e];
+        if (kGated) x *= expf(bk.lam[t] - ls[e >> 1]);
+        sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
+      }
+    uint32_t xa[3][4];
+    SplitTile(sc, xa);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      if (n0 + 16 * np >= dv) continue;
+      uint32_t bg[3][4];
+#pragma unroll
+      for (int q = 0; q < 3; ++q) Ldsm4T(bg[q], bk.Addr(kG + q, 16 * i, n0 + 16 * np, bk.off_bt));
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const uint32_t bb[3][2] = {{bg[0][2 * h2], bg[0][2 * h2 + 1]},
+                                   {bg[1][2 * h2], bg[1][2 * h2 + 1]},
+                                   {bg[2][2 * h2], bg[2][2 * h2 + 1]}};
+        Mma3x3(hi[2 * np + h2], lo[2 * np + h2], xa, bb);
+      }
+    }
+  }
+  StoreRows<4>(bk, d, b, h, c0, 16 * j, n0, dv, hi, lo, v_bar);
+}
+
+// dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
+// t < kC, n < kW. vec: width % 8 == 0 and rows 16-byte aligned (cp.async).
+__device__ __forceinline__ void StageRows(const __nv_bfloat16* src, int64_t stride, int width,
+                                          int ce, bool vec, __nv_bfloat16* dst) {
+  if (vec) {
+    for (int e = threadIdx.x; e < kC * (kW / 8); e += kThreads) {
+      const int t = e >> 3, q = e & 7;
+      __nv_bfloat16* to = dst + t * kLd + 8 * q;
+      if (t < ce && 8 * q < width) {
+        CpAsync16(SmemAddr(to), src + t * stride + 8 * q);
+      } else {
+        *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  } else {
+    constexpr int kBatch = 8;
+    for (int e0 = threadIdx.x; e0 < kC * kW; e0 += kThreads * kBatch) {
+      __nv_bfloat16 x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
+        x[u] = t < ce && n < width ? src[t * stride + n] : __float2bfloat16_rn(0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
+        dst[t * kLd + n] = x[u];
+      }
+    }
+  }
+}
+
+// grid (Lc, batch * H), kThreads threads, kSmemBytes of shared memory.
+template <bool kGated>
+__global__ void __launch_bounds__(kThreads, 2)
+    ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, const __nv_bfloat16* __restrict__ phi,
+                             const __nv_bfloat16* __restrict__ psi,
+                             const __nv_bfloat16* __restrict__ v, const float* __restrict__ lam,
+                             const float* __restrict__ cd, const float* __restrict__ S_in,
+                             const float* __restrict__ gbar, const float* __restrict__ D_bar,
+                             float* __restrict__ phi_bar, float* __restrict__ psi_bar,
+                             float* __restrict__ v_bar) {
+  extern __shared__ float4 smem4[];
+  __nv_bfloat16* tiles = reinterpret_cast<__nv_bfloat16*>(smem4);
+  float* gcol = reinterpret_cast<float*>(tiles + kTiles * kTile);
+  float* lam_s = gcol + kC;
+  float* wq = lam_s + kC;
+  float* wk = wq + kC;
+
+  const int tid = threadIdx.x;
+  const int64_t k = blockIdx.x;
+  const int b = blockIdx.y / d.H, h = blockIdx.y % d.H;
+  const int64_t c0 = k * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
+  const int r = d.r, dv = d.dv, p = d.p;
+  const int64_t crow = ChunkRow(d, b, k, h);
+
+  // ---- staging ----
+  const int64_t tok = TokenRow(d, b, c0, h);
+  StageRows(phi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in, tiles + kPhi * kTile);
+  StageRows(psi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in, tiles + kPsi * kTile);
+  StageRows(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce, vec_in, tiles + kV * kTile);
+  {
+    // gbar[:, 0:dv] in three parts; gcol = gbar[:, dv].
+    const float* tg = gbar + tok * p;
+    const int64_t sg = static_cast<int64_t>(d.H) * p;
+    constexpr int kBatch = 8;
+    for (int e0 = tid; e0 < kC * kW; e0 += kThreads * kBatch) {
+      float x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
+        x[u] = t < ce && n < dv ? __ldg(&tg[t * sg + n]) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
+        const __nv_bfloat16 x1 = __float2bfloat16_rn(x[u]);
+        const float r1 = x[u] - __bfloat162float(x1);
+        const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
+        const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
+        tiles[(kG + 0) * kTile + t * kLd + n] = x1;
+        tiles[(kG + 1) * kTile + t * kLd + n] = x2;
+        tiles[(kG + 2) * kTile + t * kLd + n] = x3;
+      }
+    }
+    if (tid < kC) {
+      gcol[tid] = tid < ce ? __ldg(&tg[tid * sg + dv]) : 0.f;
+      const float l = kGated && tid < ce ? __ldg(&lam[tok + static_cast<int64_t>(tid) * d.H]) : 0.f;
+      lam_s[tid] = l;
+      wq[tid] = kGated ? expf(l) : 1.f;
+      wk[tid] = kGated ? expf(__ldg(&cd[crow]) - l) : 1.f;
+    }
+  }
+  if (vec_in) CpAsyncWaitAll();
+  __syncthreads();
+
+  Block bk;
+  bk.tiles = SmemAddr(tiles);
+  bk.gcol = gcol;
+  bk.lam = lam_s;
+  bk.wq = wq;
+  bk.wk = wk;
+  bk.ce = ce;
+  bk.nb = (ce + 15) >> 4;
+  bk.r = r;
+  bk.dv = dv;
+  bk.p = p;
+  bk.kd = (dv + 15) >> 4;
+  bk.kr = (r + 15) >> 4;
+  bk.lane = tid & 31;
+  bk.g = bk.lane >> 2;
+  bk.tq = bk.lane & 3;
+  bk.off_a = (bk.lane & 15) * kLd + (bk.lane >> 4) * 8;
+  bk.off_bn = ((bk.lane & 7) + ((bk.lane >> 4) << 3)) * kLd + ((bk.lane >> 3) & 1) * 8;
+  bk.off_bt = ((bk.lane & 7) + ((bk.lane >> 3) & 1) * 8) * kLd + (bk.lane >> 4) * 8;
+
+  const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
+  const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
+  const int w = tid >> 5;
+  if (w < bk.nb) {
+    QueryRows<kGated>(bk, d, b, h, c0, w, Sk, phi_bar);
+    KeyRowsPsi<kGated>(bk, d, b, h, c0, w, Dk, psi_bar);
+    KeyRowsV<kGated>(bk, d, b, h, c0, w, 0, Dk, v_bar);
+  }
+  if (7 - w < bk.nb && dv > 32) KeyRowsV<kGated>(bk, d, b, h, c0, 7 - w, 1, Dk, v_bar);
+}
+
+template <bool kGated>
+cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
+                        const float* lam, const float* chunk_decay, const float* S_in,
+                        const float* gbar, const float* D_bar, float* phi_bar, float* psi_bar,
+                        float* v_bar, cudaStream_t stream) {
+  auto kernel = ChunkBackwardFusedKernel<kGated>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  // Two blocks per SM need the largest shared-memory carveout.
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess) return err;
+  const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
+                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
+  const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(
+      d, vec, static_cast<const __nv_bfloat16*>(phi), static_cast<const __nv_bfloat16*>(psi),
+      static_cast<const __nv_bfloat16*>(v), lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar,
+      v_bar);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool SmatChunkBackwardFusedFits(const SmatCudaDims& d) {
+  if (!d.bf16 || !SmatChunkFastTilesFit(d)) return false;
+  int dev = 0, major = 0, smem = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
+    return false;
+  }
+  return major >= 8 && smem >= kSmemBytes;
+}
+
+cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const void* phi,
+                                                const void* psi, const void* v, const float* lam,
+                                                const float* chunk_decay, const float* S_in,
+                                                const float* gbar, const float* D_bar,
+                                                float* phi_bar, float* psi_bar, float* v_bar,
+                                                cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  return lam != nullptr
+             ? LaunchGated<true>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar,
+                                 psi_bar, v_bar, stream)
+             : LaunchGated<false>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar,
+                                  psi_bar, v_bar, stream);
+}
+
+}  // namespace smat
