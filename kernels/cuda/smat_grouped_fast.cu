@@ -4,8 +4,8 @@
 // tile products with the staging and FFMA blocking of smat_fast_tiles.cuh.
 // smat_grouped.cu holds the general kernels and picks these when the sizes
 // fit. fp32 FFMA throughout, each output summed in a fixed order, no atomics.
-// The outer sums run on tensor cores instead (smat_grouped_mma.cu) where
-// SmatUseMmaGroupedOuterSums says so (SMAT_CUDA_GROUPED=mma|ffma).
+// Both run on tensor cores instead (smat_grouped_mma.cu) where
+// SmatUseMmaGrouped says so (SMAT_CUDA_GROUPED=mma|ffma).
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -322,7 +322,7 @@ cudaError_t LaunchSmatGroupedOuterSumFast(const SmatCudaDims& d, const SmatToken
                                           const SmatMatrixLayout& lay, float* out,
                                           cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (SmatUseMmaGroupedOuterSums(d)) {
+  if (SmatUseMmaGrouped(d)) {
     return LaunchSmatGroupedOuterSumMma(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
   }
   return d.bf16 ? LaunchOuter<__nv_bfloat16>(d, groups, segments, a, b, b_is_v, w, lay, out, stream)
@@ -335,6 +335,10 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& d, const SmatTokenGro
                                        const float* g, const SmatTokenWeights& w, float* out_p,
                                        float* out_r, float* out_v, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatUseMmaGrouped(d)) {
+    return LaunchSmatGroupedReadsMma(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
+                                     out_v, stream);
+  }
   return d.bf16 ? LaunchReadsKind<__nv_bfloat16>(d, groups, segments, kind, M, lay, a, v, g, w,
                                                  out_p, out_r, out_v, stream)
                 : LaunchReadsKind<float>(d, groups, segments, kind, M, lay, a, v, g, w, out_p,

@@ -1,11 +1,12 @@
-// The grouped outer sums of the SMat op on tensor cores (mma.sync m16n8k16,
-// bf16 operands, fp32 accumulation):
+// The grouped products of the SMat op on tensor cores (mma.sync m16n8k16,
+// bf16 operands, fp32 accumulation): the outer sums
 //   out[(b, g, h), segment] = sum over the segment's tokens i of group g of
 //                             (w_i a_i) b_i^T        (r x p)
 // with a = psi or phi and b = vbar = [v, 1] or gbar: the chunk summaries (F2),
 // profile pooling (F4), the chunk state gradients (B5) and the type-table
-// gradient of B2 (LaunchSmatGroupedOuterSum's contract, smat_cuda_kernels.h).
-// SMAT_CUDA_GROUPED=mma selects them, =ffma the FFMA kernel of
+// gradient of B2 (LaunchSmatGroupedOuterSum's contract, smat_cuda_kernels.h),
+// and the per-token reads of a group's matrix (F7, B2, B4; further down).
+// SMAT_CUDA_GROUPED=mma selects them, =ffma the FFMA kernels of
 // smat_grouped_fast.cu; unset, kMmaGroupedByDefault decides.
 //
 // Shape. One block of 8 warps per (segment, group, b * H), the segment's
@@ -36,6 +37,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda/smat_fast_tiles.cuh"
 
@@ -60,7 +62,7 @@ constexpr int kOffRows = kOffW + kC;  // int64 token rows from here (even: 8-byt
 constexpr int kSmemBytes = kOffRows * 4 + kC * 8;
 static_assert(kOffRows % 2 == 0, "token rows must be 8-byte aligned");
 
-// Whether the tensor-core outer sums run when SMAT_CUDA_GROUPED is unset
+// Whether the tensor-core kernels run when SMAT_CUDA_GROUPED is unset
 // ("mma": always where they fit; "ffma": never).
 constexpr bool kMmaGroupedByDefault = false;
 
@@ -262,9 +264,250 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
   return cudaGetLastError();
 }
 
+// ---- per-token reads of a group's r x p matrix M (F7, B2, B4) ------------------
+// LaunchSmatGroupedReads's contract: per token i of the segment,
+//   kVecMat: out_p[i] += w_i (a_i^T M)           tokens x r  by  r x p
+//   kMatVec: out_r[i] += w_i (M g_i)             tokens x p  by  p x r
+//   kBoth:   out_r[i] += w_i (M vbar_i),  out_v[i] += w_i (M^T a_i)[0:dv]
+// Rows of the products are tokens: warp w owns tokens 16 w .. 16 w + 15 of the
+// 128 staged, and every output column. The token operand is staged row-major
+// (As[t][k], fp32, the k padding zero), M once per block as three planes of
+// bf16 pairs along k (M = M1 + M2 + M3, so a B fragment register is one 4-byte
+// load): Pv for the vec-mat product (B[k][n] = M[k][n]), Pm for the mat-vec
+// one (B[k][n] = M[n][k]). The token operand is one part when it is bf16 (a,
+// vbar), three when fp32 (fp32 inputs, gbar); the products keep the terms of
+// the outer sums above. The weight multiplies the finished product, as in the
+// FFMA kernel: out += w_i * (row i of the product).
+constexpr int kLdA = 88;    // As rows: k <= 80; 88 = 24 mod 32, conflict-free 8-byte loads
+constexpr int kLdPv = 36;   // Pv rows (n < 72): 32 pairs of k < 64, + 4
+constexpr int kLdPm = 44;   // Pm rows (n < 64): 40 pairs of k < 80, + 4
+constexpr int kPvWords = kNPad * kLdPv;
+constexpr int kPmWords = kMPad * kLdPm;
+constexpr int kROffPv = kC * kLdA;                  // in 4-byte words
+constexpr int kROffPm = kROffPv + 3 * kPvWords;
+constexpr int kROffW = kROffPm + 3 * kPmWords;
+constexpr int kROffRows = kROffW + kC;
+constexpr int kReadsSmemBytes = kROffRows * 4 + kC * 8;
+static_assert(kROffRows % 2 == 0, "token rows must be 8-byte aligned");
+
+// Planes of M (r x p, row-major in global memory) as bf16 pairs along k:
+// vec-mat (Pv[n][kp] = pair (M[2kp][n], M[2kp+1][n]), n < 72, k < 64) or
+// mat-vec (Pm[n][kp] = pair (M[n][2kp], M[n][2kp+1]), n < 64, k < 80); zero
+// outside M.
+__device__ void StagePlanes(const float* __restrict__ M, int r, int p, bool vecmat,
+                            uint32_t* planes) {
+  const int rows = vecmat ? kNPad : kMPad, pairs = vecmat ? 32 : 40;
+  const int ld = vecmat ? kLdPv : kLdPm, words = vecmat ? kPvWords : kPmWords;
+  for (int e = threadIdx.x; e < rows * pairs; e += kThreads) {
+    const int n = e / pairs, kp = e - n * pairs, k = 2 * kp;
+    float2 x;
+    if (vecmat) {
+      x.x = k < r && n < p ? __ldg(&M[k * p + n]) : 0.f;
+      x.y = k + 1 < r && n < p ? __ldg(&M[(k + 1) * p + n]) : 0.f;
+    } else {
+      x.x = n < r && k < p ? __ldg(&M[n * p + k]) : 0.f;
+      x.y = n < r && k + 1 < p ? __ldg(&M[n * p + k + 1]) : 0.f;
+    }
+    uint32_t p1, p2, p3;
+    Split3(x, p1, p2, p3);
+    planes[n * ld + kp] = p1;
+    planes[words + n * ld + kp] = p2;
+    planes[2 * words + n * ld + kp] = p3;
+  }
+}
+
+// acc/cor[j] = As[m0 .. m0 + 15][:] x B over `ksteps` 16-wide k steps, for the
+// n8 tiles j0 + j, j < count <= kTiles (B from planes with leading dimension
+// ld words).
+template <int kAParts, int kTiles>
+__device__ __forceinline__ void ReadProduct(const float* As, int m0, const uint32_t* planes,
+                                            int words, int ld, int j0, int count, int ksteps,
+                                            float (&acc)[kTiles][4], float (&cor)[kTiles][4]) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
+  for (int ks = 0; ks < ksteps; ++ks) {
+    const float* a_lo = As + (m0 + gid) * kLdA + ks * 16 + 2 * tig;
+    const float* a_hi = a_lo + 8 * kLdA;
+    const float2 x[4] = {*reinterpret_cast<const float2*>(a_lo),
+                         *reinterpret_cast<const float2*>(a_hi),
+                         *reinterpret_cast<const float2*>(a_lo + 8),
+                         *reinterpret_cast<const float2*>(a_hi + 8)};
+    uint32_t A1[4], A2[4], A3[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kAParts == 1) {
+        A1[i] = PackBf16(x[i].x, x[i].y);
+      } else {
+        Split3(x[i], A1[i], A2[i], A3[i]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      if (j >= count) break;
+      const uint32_t* bp = planes + ((j0 + j) * 8 + gid) * ld + ks * 8 + tig;
+      const uint32_t b10 = bp[0], b11 = bp[4];
+      const uint32_t b20 = bp[words], b21 = bp[words + 4];
+      const uint32_t b30 = bp[2 * words], b31 = bp[2 * words + 4];
+      if constexpr (kAParts == 1) {
+        Mma(cor[j], A1, b30, b31);
+        Mma(cor[j], A1, b20, b21);
+        Mma(acc[j], A1, b10, b11);
+      } else {
+        Mma(cor[j], A3, b10, b11);
+        Mma(cor[j], A2, b20, b21);
+        Mma(cor[j], A1, b30, b31);
+        Mma(cor[j], A2, b10, b11);
+        Mma(cor[j], A1, b20, b21);
+        Mma(acc[j], A1, b10, b11);
+      }
+    }
+  }
+}
+
+// out[rows[t] * width + n] += w[t] * (acc + cor) for the staged tokens t < nt
+// and the columns n < width of n8 tiles j0 .. j0 + kTiles - 1.
+template <int kTiles>
+__device__ __forceinline__ void ReadEpilogue(const float (&acc)[kTiles][4],
+                                             const float (&cor)[kTiles][4], int m0, int j0,
+                                             int count, int nt,
+                                             const int64_t* rows, const float* w, int width,
+                                             float* __restrict__ out) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = m0 + gid + 8 * half;
+    if (t >= nt) continue;
+    float* o = out + rows[t] * width;
+    const float wt = w[t];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = (j0 + j) * 8 + 2 * tig + e;
+        if (j < count && n < width) o[n] += wt * (acc[j][2 * half + e] + cor[j][2 * half + e]);
+      }
+  }
+}
+
+// One read product over the n8 tiles [0, n_tiles), in passes of at most 5
+// tiles (the accumulators of a pass stay in registers).
+template <int kAParts>
+__device__ __forceinline__ void ReadAll(const float* As, int m0, const uint32_t* planes,
+                                        int words, int ld, int n_tiles, int ksteps, int nt,
+                                        const int64_t* rows, const float* w, int width,
+                                        float* __restrict__ out) {
+  for (int j0 = 0; j0 < n_tiles; j0 += 5) {
+    const int count = min(5, n_tiles - j0);
+    float acc[5][4], cor[5][4];
+    ReadProduct<kAParts, 5>(As, m0, planes, words, ld, j0, count, ksteps, acc, cor);
+    ReadEpilogue<5>(acc, cor, m0, j0, count, nt, rows, w, width, out);
+  }
+}
+
+// grid (segments, G, batch * H), kThreads threads, kReadsSmemBytes.
+template <SmatReadKind kRead, typename In>
+__global__ void __launch_bounds__(kThreads, 2)
+    ReadsMmaKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
+                   const float* __restrict__ M, SmatMatrixLayout lay, const In* __restrict__ a,
+                   const In* __restrict__ v, const float* __restrict__ gsrc, SmatTokenWeights tw,
+                   float* __restrict__ out_p, float* __restrict__ out_r,
+                   float* __restrict__ out_v) {
+  using fast_tiles::ListedRows;
+  using fast_tiles::StageRows;
+  constexpr int kTokenParts = std::is_same_v<In, float> ? 3 : 1;
+  extern __shared__ float4 smem4[];
+  float* As = reinterpret_cast<float*>(smem4);
+  uint32_t* Pv = reinterpret_cast<uint32_t*>(As) + kROffPv;
+  uint32_t* Pm = reinterpret_cast<uint32_t*>(As) + kROffPm;
+  float* w = As + kROffW;
+  int64_t* rows = reinterpret_cast<int64_t*>(As + kROffRows);
+  const int seg = blockIdx.x, grp = blockIdx.y;
+  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
+  const cuda_detail::GroupCursor cur(groups, d, bh, grp);
+  int64_t lo, hi;
+  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
+  if (lo >= hi) return;  // uniform over the block
+  const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x, m0 = (tid >> 5) * 16;
+  const float* Mk = M + (static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(grp) * lay.og +
+                         static_cast<int64_t>(h) * lay.oh) *
+                            static_cast<int64_t>(r) * p;
+  if (kRead != SmatReadKind::kMatVec) StagePlanes(Mk, r, p, /*vecmat=*/true, Pv);
+  if (kRead != SmatReadKind::kVecMat) StagePlanes(Mk, r, p, /*vecmat=*/false, Pm);
+  const int kr = (r + 15) >> 4, kp = (p + 15) >> 4;  // k steps over r and over p
+  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+    __syncthreads();  // the previous tile's reads of As, w, rows are done
+    if (tid < nt) {
+      const int64_t i = cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, b, i, h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+    }
+    __syncthreads();
+    if (kRead == SmatReadKind::kVecMat) {
+      StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, As, kLdA, 16 * kr);
+      __syncthreads();
+      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (p + 7) >> 3, kr, nt, rows, w, p, out_p);
+    } else if (kRead == SmatReadKind::kMatVec) {
+      StageRows(ListedRows<float>{gsrc, rows, p}, nt, p, false, As, kLdA, 16 * kp);
+      __syncthreads();
+      ReadAll<3>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, out_r);
+    } else {
+      StageRows(ListedRows<In>{v, rows, dv}, nt, dv, vec_in, As, kLdA, 16 * kp, dv);
+      __syncthreads();
+      ReadAll<kTokenParts>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, out_r);
+      __syncthreads();  // As is restaged with a
+      StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, As, kLdA, 16 * kr);
+      __syncthreads();
+      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (dv + 7) >> 3, kr, nt, rows, w, dv,
+                           out_v);
+    }
+  }
+}
+
+template <SmatReadKind kRead, typename In>
+cudaError_t LaunchReads(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                        const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                        const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                        float* out_v, cudaStream_t stream) {
+  auto kernel = ReadsMmaKernel<kRead, In>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadsSmemBytes);
+  if (err != cudaSuccess) return err;
+  constexpr int V = 16 / sizeof(In);
+  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
+  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  kernel<<<grid, kThreads, kReadsSmemBytes, stream>>>(
+      d, groups, segments, vec, M, lay, static_cast<const In*>(a), static_cast<const In*>(v), g,
+      w, out_p, out_r, out_v);
+  return cudaGetLastError();
+}
+
+template <typename In>
+cudaError_t LaunchReadsKind(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                            SmatReadKind kind, const float* M, const SmatMatrixLayout& lay,
+                            const void* a, const void* v, const float* g,
+                            const SmatTokenWeights& w, float* out_p, float* out_r, float* out_v,
+                            cudaStream_t stream) {
+  switch (kind) {
+    case SmatReadKind::kVecMat:
+      return LaunchReads<SmatReadKind::kVecMat, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
+                                                    out_r, out_v, stream);
+    case SmatReadKind::kMatVec:
+      return LaunchReads<SmatReadKind::kMatVec, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
+                                                    out_r, out_v, stream);
+    case SmatReadKind::kBoth:
+      return LaunchReads<SmatReadKind::kBoth, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
+                                                  out_r, out_v, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
-bool SmatUseMmaGroupedOuterSums(const SmatCudaDims& d) {
+bool SmatUseMmaGrouped(const SmatCudaDims& d) {
   const char* env = std::getenv("SMAT_CUDA_GROUPED");
   if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
   if (!kMmaGroupedByDefault && (env == nullptr || std::strcmp(env, "mma") != 0)) return false;
@@ -276,7 +519,7 @@ bool SmatUseMmaGroupedOuterSums(const SmatCudaDims& d) {
           cudaSuccess) {
     return false;
   }
-  return major >= 8 && smem >= kSmemBytes;
+  return major >= 8 && smem >= kSmemBytes && smem >= kReadsSmemBytes;
 }
 
 cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& d, const SmatTokenGroups& groups,
@@ -290,6 +533,18 @@ cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& d, const SmatTokenG
                                              stream);
   }
   return Launch<float, 3>(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
+}
+
+cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& d, const SmatTokenGroups& groups,
+                                      int segments, SmatReadKind kind, const float* M,
+                                      const SmatMatrixLayout& lay, const void* a, const void* v,
+                                      const float* g, const SmatTokenWeights& w, float* out_p,
+                                      float* out_r, float* out_v, cudaStream_t stream) {
+  if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  return d.bf16 ? LaunchReadsKind<__nv_bfloat16>(d, groups, segments, kind, M, lay, a, v, g, w,
+                                                 out_p, out_r, out_v, stream)
+                : LaunchReadsKind<float>(d, groups, segments, kind, M, lay, a, v, g, w, out_p,
+                                         out_r, out_v, stream);
 }
 
 }  // namespace smat

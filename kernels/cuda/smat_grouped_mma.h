@@ -1,7 +1,7 @@
 // The grouped SMat outer sums (F2 chunk summaries, profile pooling, B5 chunk
 // state gradients, the type-table gradient of B2) on tensor cores: see
 // smat_grouped_mma.cu. smat_grouped_fast.cu calls them where
-// SmatUseMmaGroupedOuterSums says so.
+// SmatUseMmaGrouped says so.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,13 +13,21 @@ namespace smat {
 // The sizes fit (c <= 128, r <= 64, p <= 72), the device has sm_80 tensor
 // cores and the shared memory, and SMAT_CUDA_GROUPED asks for them ("mma"; or
 // unset, where the default of smat_grouped_mma.cu applies; "ffma" keeps the
-// FFMA outer sums of smat_grouped_fast.cu).
-bool SmatUseMmaGroupedOuterSums(const SmatCudaDims& dims);
+// FFMA kernels of smat_grouped_fast.cu).
+bool SmatUseMmaGrouped(const SmatCudaDims& dims);
 
 // LaunchSmatGroupedOuterSum's contract (smat_cuda_kernels.h), on tensor cores.
 cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& dims, const SmatTokenGroups& groups,
                                          int segments, const void* a, const void* b, bool b_is_v,
                                          const SmatTokenWeights& w, const SmatMatrixLayout& layout,
                                          float* out, cudaStream_t stream);
+
+// LaunchSmatGroupedReads's contract (smat_cuda_kernels.h), on tensor cores.
+cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                      int segments, SmatReadKind kind, const float* M,
+                                      const SmatMatrixLayout& m_layout, const void* a,
+                                      const void* v, const float* g, const SmatTokenWeights& w,
+                                      float* out_p, float* out_r, float* out_v,
+                                      cudaStream_t stream);
 
 }  // namespace smat
