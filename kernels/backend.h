@@ -70,7 +70,11 @@ class Backend {
   virtual absl::Status Axpy(float alpha, const Tensor& x, Tensor& y, Stream* stream = nullptr) = 0;
   // c = alpha * op(a) @ op(b) + beta * c. a and b fp32 or bf16 (the same), c fp32,
   // fp32 accumulation. Rank 2, or rank 3 with a leading batch dimension shared by
-  // all three (strided batched product).
+  // all three (strided batched product). c may also be bf16 when a and b are
+  // bf16 and beta = 0: the fp32-accumulated product rounded to nearest even
+  // once on the way out (the CPU: exactly Cast of its fp32 product; cuBLAS may
+  // sum in another order, so within a bf16 rounding of that), for a product
+  // whose output only bf16 readers use.
   virtual absl::Status Gemm(Transpose ta, Transpose tb, float alpha, const Tensor& a,
                             const Tensor& b, float beta, Tensor& c, Stream* stream = nullptr) = 0;
 

@@ -19,6 +19,12 @@
 //
 // Shapes and dtypes are validated; a mismatch is InvalidArgument naming the
 // operand.
+//
+// bf16 outputs (run.bf16). Where an op says "y fp32 or bf16", a bf16 output
+// holds exactly Cast of the fp32 result (computed as in fp32, then rounded to
+// nearest even), so an activation that only matrix products read is written
+// once, in the dtype they read, instead of in fp32 and then cast. An output may
+// alias an input only when both have one dtype.
 #pragma once
 
 #include <cstdint>
@@ -52,7 +58,7 @@ class ModelKernels {
 
   // --- RMSNorm --------------------------------------------------------------------
   // y = x * rstd * weight, rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps).
-  // x [N, W], weight [W], y [N, W], rstd [N] (saved for backward).
+  // x [N, W], weight [W], y [N, W] fp32 or bf16, rstd [N] (saved for backward).
   virtual absl::Status RmsNormForward(const Tensor& x, const Tensor& weight, float eps, Tensor& y,
                                       Tensor& rstd, Stream* stream = nullptr) = 0;
   // dx = d/dx of sum(dy * y) (overwritten), d_weight += sum_i dy[i] * x[i] * rstd[i].
@@ -62,10 +68,12 @@ class ModelKernels {
                                        Stream* stream = nullptr) = 0;
 
   // --- SwiGLU ---------------------------------------------------------------------
-  // y = silu(gate) * up, silu(a) = a * sigmoid(a).  gate, up, y [N, F].
+  // y = silu(gate) * up, silu(a) = a * sigmoid(a).  gate, up, y [N, F]; gate
+  // and up fp32 or bf16 (one dtype; bf16 read exactly), y fp32 or bf16.
   virtual absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y,
                                      Stream* stream = nullptr) = 0;
-  // d_gate, d_up overwritten from dy [N, F].
+  // d_gate, d_up overwritten from dy [N, F] (fp32). gate and up as the
+  // forward's; d_gate and d_up fp32 or bf16 (one dtype).
   virtual absl::Status SwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
                                       Tensor& d_gate, Tensor& d_up, Stream* stream = nullptr) = 0;
 
@@ -77,7 +85,7 @@ class ModelKernels {
 
   // --- elementwise gates of the mixer -------------------------------------------------
   // y = -softplus(x) (the log-decay of paper Eq. 13: logg = -softplus(w.x + b) <= 0).
-  // x, y same shape; y may alias x.
+  // x, y same shape (y fp32 or bf16); y may alias x.
   virtual absl::Status NegSoftplusForward(const Tensor& x, Tensor& y, Stream* stream = nullptr) = 0;
   // dx = -sigmoid(x) * dy (overwritten; dx may alias dy).
   virtual absl::Status NegSoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx,
@@ -94,7 +102,7 @@ class ModelKernels {
   // --- the feature maps of kernels/feature_map.h (model.feature_map ELU_PLUS_ONE, RELU)
   // y = f(x) element by element, the very functions of kernels/feature_map.h:
   //   kEluPlusOne: x + 1 (x > 0), exp(x) (x <= 0);  kReluEps: max(x, 0) + 1e-3.
-  // x, y fp32 of one shape; y may alias x. The CPU runs the host loops of
+  // x fp32, y fp32 or bf16 of x's shape; y may alias x. The CPU runs the host loops of
   // feature_map.h; the CUDA kernels give the same bits except where
   // kEluPlusOne takes exp(x) (x <= 0): CUDA's expf is within 2 ulp of glibc's.
   //   SMAT_RETURN_IF_ERROR(mk->FeatureMapForward(FeatureMap::kEluPlusOne, q, phi, stream));
@@ -106,7 +114,8 @@ class ModelKernels {
                                           Tensor& dx, Stream* stream = nullptr) = 0;
 
   // --- feature maps beyond kernels/feature_map.h (model.feature_map) ------------------
-  // SOFTPLUS: y = softplus(x) = log(1 + e^x) > 0. x, y same shape (y may alias x).
+  // SOFTPLUS: y = softplus(x) = log(1 + e^x) > 0. x, y same shape (y fp32 or
+  // bf16; y may alias x).
   virtual absl::Status SoftplusForward(const Tensor& x, Tensor& y, Stream* stream = nullptr) = 0;
   // dx = sigmoid(x) dy (overwritten; dx may alias dy).
   virtual absl::Status SoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx,
@@ -123,10 +132,11 @@ class ModelKernels {
   // y[b, t, c] = sum_{j<K} w[j, c] x[b, t - (K-1) + j, c], where rows before the
   // span (t - (K-1) + j < 0) come from prefix[b, K-1 + (t - (K-1) + j), c]: the
   // K-1 rows that precede the span (zeros at the start of the sequence).
-  // x [batch, L, C], prefix [batch, K-1, C], w [K, C], y [batch, L, C].
+  // x [batch, L, C], prefix [batch, K-1, C], w [K, C], y [batch, L, C] fp32 or bf16.
   virtual absl::Status ShortConvForward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                         Tensor& y, Stream* stream = nullptr) = 0;
-  // dx [batch, L, C] and d_prefix [batch, K-1, C] overwritten, d_w [K, C] +=.
+  // dx [batch, L, C] (fp32 or bf16) and d_prefix [batch, K-1, C] overwritten,
+  // d_w [K, C] +=.
   virtual absl::Status ShortConvBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                          const Tensor& dy, Tensor& dx, Tensor& d_prefix,
                                          Tensor& d_w, Stream* stream = nullptr) = 0;

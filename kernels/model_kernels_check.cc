@@ -45,6 +45,32 @@ absl::Status Expect(const Tensor& t, DType dtype, absl::Span<const int64_t> shap
   return absl::OkStatus();
 }
 
+// InvalidArgument unless t is a defined fp32 or bf16 tensor of `shape` on
+// `device` (an output the caller may keep in bf16, or an input so stored).
+absl::Status ExpectFloat(const Tensor& t, absl::Span<const int64_t> shape, const char* op,
+                         const char* operand, Device device) {
+  if (t.defined() && t.dtype() == DType::kBF16) {
+    return Expect(t, DType::kBF16, shape, op, operand, device);
+  }
+  if (t.defined() && t.dtype() != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " is ", DTypeName(t.dtype()),
+                                                   "; expected fp32 or bf16"));
+  }
+  return Expect(t, DType::kF32, shape, op, operand, device);
+}
+
+// InvalidArgument when `out` starts where `in` does but has another dtype: an
+// output may overwrite its input in place only element for element.
+absl::Status ExpectNoMixedAlias(const Tensor& in, const Tensor& out, const char* op,
+                                const char* in_name, const char* out_name) {
+  if (in.numel() > 0 && in.raw() == out.raw() && in.dtype() != out.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", out_name, " (",
+                                                   DTypeName(out.dtype()), ") may not alias ",
+                                                   in_name, " (", DTypeName(in.dtype()), ")"));
+  }
+  return absl::OkStatus();
+}
+
 // Rank-2 fp32 tensor on `device`: returns {rows, cols}.
 absl::StatusOr<RowsCols> Matrix(const Tensor& t, const char* op, const char* operand,
                                 Device device) {
@@ -149,7 +175,7 @@ absl::StatusOr<RowsCols> CheckRmsNormForward(const Tensor& x, const Tensor& weig
   SMAT_ASSIGN_OR_RETURN(RowsCols nw, Matrix(x, kOp, "x", device));
   const auto [N, W] = nw;
   SMAT_RETURN_IF_ERROR(Expect(weight, DType::kF32, {W}, kOp, "weight", device));
-  SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {N, W}, kOp, "y", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(y, {N, W}, kOp, "y", device));
   SMAT_RETURN_IF_ERROR(Expect(rstd, DType::kF32, {N}, kOp, "rstd", device));
   return nw;
 }
@@ -192,7 +218,7 @@ absl::StatusOr<Dims3> CheckShortConvForward(const Tensor& x, const Tensor& prefi
                                             const Tensor& y, Device device) {
   constexpr const char* kOp = "ShortConvForward";
   SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvInputs(x, prefix, w, kOp, device));
-  SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {d.d0, d.d1, d.d2}, kOp, "y", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(y, {d.d0, d.d1, d.d2}, kOp, "y", device));
   return d;
 }
 
@@ -205,7 +231,7 @@ absl::StatusOr<Dims3> CheckShortConvBackward(const Tensor& x, const Tensor& pref
   SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvInputs(x, prefix, w, kOp, device));
   const auto [nb, L, C] = d;
   SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {nb, L, C}, kOp, "dy", device));
-  SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {nb, L, C}, kOp, "dx", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(dx, {nb, L, C}, kOp, "dx", device));
   SMAT_RETURN_IF_ERROR(Expect(d_prefix, DType::kF32, {nb, K - 1, C}, kOp, "d_prefix", device));
   SMAT_RETURN_IF_ERROR(Expect(d_w, DType::kF32, {K, C}, kOp, "d_w", device));
   return d;
@@ -237,6 +263,58 @@ absl::StatusOr<VocabDims> CheckCrossEntropyBackward(const Tensor& h, const Tenso
     return absl::InvalidArgumentError("CrossEntropyBackward: chunk_tokens must be >= 1");
   }
   return d;
+}
+
+absl::Status CheckUnaryForward(const char* op, const Tensor& x, const Tensor& y, Device device) {
+  SMAT_RETURN_IF_ERROR(Expect(x, DType::kF32, x.defined() ? x.shape() : Shape{}, op, "x", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(y, x.shape(), op, "y", device));
+  return ExpectNoMixedAlias(x, y, op, "x", "y");
+}
+
+absl::Status CheckFeatureMapForward(FeatureMap f, const Tensor& x, const Tensor& y,
+                                    Device device) {
+  SMAT_RETURN_IF_ERROR(CheckFeatureMap("FeatureMapForward", f, {{x, "x"}}, device));
+  return CheckUnaryForward("FeatureMapForward", x, y, device);
+}
+
+absl::StatusOr<RowsCols> CheckSwiGluForward(const Tensor& gate, const Tensor& up, const Tensor& y,
+                                            Device device) {
+  constexpr const char* kOp = "SwiGluForward";
+  if (!gate.defined() || gate.rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": gate must be a rank-2 tensor",
+                                                   gate.defined() ? "; got " + gate.DebugString()
+                                                                  : ""));
+  }
+  const RowsCols nf{gate.dim(0), gate.dim(1)};
+  SMAT_RETURN_IF_ERROR(ExpectFloat(gate, gate.shape(), kOp, "gate", device));
+  SMAT_RETURN_IF_ERROR(Expect(up, gate.dtype(), gate.shape(), kOp, "up", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(y, gate.shape(), kOp, "y", device));
+  SMAT_RETURN_IF_ERROR(ExpectNoMixedAlias(gate, y, kOp, "gate", "y"));
+  SMAT_RETURN_IF_ERROR(ExpectNoMixedAlias(up, y, kOp, "up", "y"));
+  return nf;
+}
+
+absl::StatusOr<RowsCols> CheckSwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
+                                             const Tensor& d_gate, const Tensor& d_up,
+                                             Device device) {
+  constexpr const char* kOp = "SwiGluBackward";
+  if (!gate.defined() || gate.rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": gate must be a rank-2 tensor",
+                                                   gate.defined() ? "; got " + gate.DebugString()
+                                                                  : ""));
+  }
+  const RowsCols nf{gate.dim(0), gate.dim(1)};
+  SMAT_RETURN_IF_ERROR(ExpectFloat(gate, gate.shape(), kOp, "gate", device));
+  SMAT_RETURN_IF_ERROR(Expect(up, gate.dtype(), gate.shape(), kOp, "up", device));
+  SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, gate.shape(), kOp, "dy", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(d_gate, gate.shape(), kOp, "d_gate", device));
+  SMAT_RETURN_IF_ERROR(Expect(d_up, d_gate.dtype(), gate.shape(), kOp, "d_up", device));
+  for (const NamedTensor& o : {NamedTensor{gate, "gate"}, NamedTensor{up, "up"},
+                               NamedTensor{dy, "dy"}}) {
+    SMAT_RETURN_IF_ERROR(ExpectNoMixedAlias(o.tensor, d_gate, kOp, o.name, "d_gate"));
+    SMAT_RETURN_IF_ERROR(ExpectNoMixedAlias(o.tensor, d_up, kOp, o.name, "d_up"));
+  }
+  return nf;
 }
 
 absl::Status CheckCast(const Tensor& src, const Tensor& dst, Device device) {

@@ -76,7 +76,8 @@ absl::Status CheckFeatureMap(const char* op, FeatureMap f,
 absl::StatusOr<VocabDims> CheckEmbedding(const char* op, NamedTensor matrix, const Tensor& ids,
                                          NamedTensor rows, Device device);
 
-// RmsNormForward: x [N, W], weight [W], y [N, W], rstd [N]. Returns {N, W}.
+// RmsNormForward: x [N, W], weight [W], y [N, W] (fp32 or bf16), rstd [N].
+// Returns {N, W}.
 absl::StatusOr<RowsCols> CheckRmsNormForward(const Tensor& x, const Tensor& weight, const Tensor& y,
                                              const Tensor& rstd, Device device);
 
@@ -97,12 +98,12 @@ absl::StatusOr<Dims3> CheckSigmoidScaleBackward(const Tensor& x, const Tensor& g
                                                 const Tensor& dx, const Tensor& dg, Device device);
 
 // ShortConvForward: x [batch, L, C], prefix [batch, K-1, C], w [K, C],
-// y [batch, L, C] (K = kShortConvWidth). Returns {batch, L, C}.
+// y [batch, L, C] fp32 or bf16 (K = kShortConvWidth). Returns {batch, L, C}.
 absl::StatusOr<Dims3> CheckShortConvForward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                             const Tensor& y, Device device);
 
-// ShortConvBackward: the operands of the forward, then dy, dx [batch, L, C],
-// d_prefix [batch, K-1, C], d_w [K, C]. Returns {batch, L, C}.
+// ShortConvBackward: the operands of the forward, then dy, dx [batch, L, C]
+// (dx fp32 or bf16), d_prefix [batch, K-1, C], d_w [K, C]. Returns {batch, L, C}.
 absl::StatusOr<Dims3> CheckShortConvBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                              const Tensor& dy, const Tensor& dx,
                                              const Tensor& d_prefix, const Tensor& d_w,
@@ -123,6 +124,26 @@ absl::StatusOr<VocabDims> CheckCrossEntropyBackward(const Tensor& h, const Tenso
                                                     const Tensor& lse, int64_t chunk_tokens,
                                                     const Tensor& dh, const Tensor& d_w_head,
                                                     Device device);
+
+// The forward maps with an output that may be bf16 (SoftplusForward,
+// NegSoftplusForward): x fp32, y fp32 or bf16 of x's shape; y may alias x
+// only when both are fp32.
+absl::Status CheckUnaryForward(const char* op, const Tensor& x, const Tensor& y, Device device);
+
+// FeatureMapForward: f as CheckFeatureMap, then x and y as CheckUnaryForward.
+absl::Status CheckFeatureMapForward(FeatureMap f, const Tensor& x, const Tensor& y, Device device);
+
+// SwiGluForward: gate [N, F] fp32 or bf16, up of gate's dtype and shape, y
+// [N, F] fp32 or bf16 (aliasing an input only of its dtype). Returns {N, F}.
+absl::StatusOr<RowsCols> CheckSwiGluForward(const Tensor& gate, const Tensor& up, const Tensor& y,
+                                            Device device);
+
+// SwiGluBackward: gate, up as the forward's; dy fp32 [N, F]; d_gate fp32 or
+// bf16 [N, F], d_up of d_gate's dtype (aliasing an input only of its dtype).
+// Returns {N, F}.
+absl::StatusOr<RowsCols> CheckSwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
+                                             const Tensor& d_gate, const Tensor& d_up,
+                                             Device device);
 
 // Cast: src and dst defined, fp32 or bf16, on `device`, with one element count.
 absl::Status CheckCast(const Tensor& src, const Tensor& dst, Device device);

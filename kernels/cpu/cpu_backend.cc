@@ -58,6 +58,23 @@ absl::Status CheckBlasInt(const GemmDims& d) {
   return absl::OkStatus();
 }
 
+// CheckGemm, which knows fp32 outputs, plus the bf16 one (beta = 0), checked
+// as the fp32 product it rounds.
+absl::StatusOr<GemmDims> CheckGemmAnyOutput(Transpose ta, Transpose tb, const Tensor& a,
+                                            const Tensor& b, float beta, const Tensor& c) {
+  if (!c.defined() || c.dtype() != DType::kBF16) return CheckGemm(ta, tb, a, b, c, Device::Cpu());
+  if (beta != 0.f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gemm: a bf16 c is overwritten, not accumulated into: beta must be 0, got ", beta));
+  }
+  if (a.dtype() != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: a bf16 c needs bf16 a and b, got a ", a.DebugString()));
+  }
+  const Tensor as_f32 = Tensor::Wrap(c.raw(), c.shape(), DType::kF32, c.device());
+  return CheckGemm(ta, tb, a, b, as_f32, Device::Cpu());
+}
+
 // The fp32 view of a Gemm operand: the data itself, or (bf16) a widened copy
 // kept in `scratch`.
 const float* AsFloat(const Tensor& t, std::vector<float>& scratch) {
@@ -166,13 +183,15 @@ absl::Status CpuBackend::Axpy(float alpha, const Tensor& x, Tensor& y, Stream* s
 absl::Status CpuBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Tensor& a,
                               const Tensor& b, float beta, Tensor& c, Stream* stream) {
   SMAT_RETURN_IF_ERROR(CheckStream(stream, "Gemm"));
-  SMAT_ASSIGN_OR_RETURN(GemmDims d, CheckGemm(ta, tb, a, b, c, Device::Cpu()));
+  SMAT_ASSIGN_OR_RETURN(GemmDims d, CheckGemmAnyOutput(ta, tb, a, b, beta, c));
   SMAT_RETURN_IF_ERROR(CheckBlasInt(d));
   if (c.numel() == 0) return absl::OkStatus();
-  std::vector<float> a_scratch, b_scratch;
+  std::vector<float> a_scratch, b_scratch, c_scratch;
   const float* ap = AsFloat(a, a_scratch);  // (batch, a0, a1)
   const float* bp = AsFloat(b, b_scratch);  // (batch, b0, b1)
-  float* cp = c.data<float>();              // (batch, m, n)
+  const bool bf16_out = c.dtype() == DType::kBF16;
+  if (bf16_out) c_scratch.resize(static_cast<size_t>(c.numel()));  // the fp32 product first
+  float* cp = bf16_out ? c_scratch.data() : c.data<float>();  // (batch, m, n)
   const int64_t a_stride = a.dim(-2) * a.dim(-1);
   const int64_t b_stride = b.dim(-2) * b.dim(-1);
   const int64_t c_stride = d.m * d.n;
@@ -193,6 +212,10 @@ absl::Status CpuBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Ten
     cblas_sgemm(CblasRowMajor, cta, ctb, static_cast<int>(d.m), static_cast<int>(d.n),
                 static_cast<int>(d.k), alpha, ap + i * a_stride, lda, bp + i * b_stride, ldb, beta,
                 cp + i * c_stride, ldc);
+  }
+  if (bf16_out) {
+    uint16_t* out = c.data<uint16_t>();
+    for (size_t j = 0; j < c_scratch.size(); ++j) out[j] = FloatToBf16(c_scratch[j]);
   }
   return absl::OkStatus();
 }

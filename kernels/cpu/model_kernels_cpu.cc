@@ -19,6 +19,39 @@ const Device kHost = Device::Cpu();
 
 float Sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
+// Element i of an fp32 or bf16 tensor as fp32 (bf16 widened exactly).
+class FloatIn {
+ public:
+  explicit FloatIn(const Tensor& t)
+      : f_(t.dtype() == DType::kF32 ? static_cast<const float*>(t.raw()) : nullptr),
+        h_(static_cast<const uint16_t*>(t.raw())) {}
+  float operator[](int64_t i) const { return f_ != nullptr ? f_[i] : Bf16ToFloat(h_[i]); }
+
+ private:
+  const float* f_;
+  const uint16_t* h_;
+};
+
+// Stores fp32 values into an fp32 tensor, or (bf16) their FloatToBf16
+// rounding: the bits Cast of the fp32 result would give.
+class FloatOut {
+ public:
+  explicit FloatOut(Tensor& t)
+      : f_(t.dtype() == DType::kF32 ? static_cast<float*>(t.raw()) : nullptr),
+        h_(static_cast<uint16_t*>(t.raw())) {}
+  void Set(int64_t i, float v) const {
+    if (f_ != nullptr) {
+      f_[i] = v;
+    } else {
+      h_[i] = FloatToBf16(v);
+    }
+  }
+
+ private:
+  float* f_;
+  uint16_t* h_;
+};
+
 class CpuModelKernels final : public ModelKernels {
  public:
   absl::Status EmbeddingForward(const Tensor& table, const Tensor& ids, Tensor& out,
@@ -67,7 +100,7 @@ class CpuModelKernels final : public ModelKernels {
     const auto [N, W] = nw;
     const float* xp = x.data<float>();       // [N, W]
     const float* w = weight.data<float>();   // [W]
-    float* yp = y.data<float>();             // [N, W]
+    const FloatOut yp(y);                    // [N, W]
     float* rs = rstd.data<float>();          // [N]
     for (int64_t i = 0; i < N; ++i) {
       const float* row = xp + i * W;
@@ -75,7 +108,7 @@ class CpuModelKernels final : public ModelKernels {
       for (int64_t j = 0; j < W; ++j) ss += double{row[j]} * row[j];
       const float r = static_cast<float>(1.0 / std::sqrt(ss / W + eps));
       rs[i] = r;
-      for (int64_t j = 0; j < W; ++j) yp[i * W + j] = row[j] * r * w[j];
+      for (int64_t j = 0; j < W; ++j) yp.Set(i * W + j, row[j] * r * w[j]);
     }
     return absl::OkStatus();
   }
@@ -109,34 +142,32 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y, Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(
-        RowsCols nf, CheckMatrices("SwiGluForward", {{gate, "gate"}, {up, "up"}, {y, "y"}}, kHost));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nf, CheckSwiGluForward(gate, up, y, kHost));
     const int64_t n = nf.rows * nf.cols;
-    const float* a = gate.data<float>();  // [N, F]
-    const float* b = up.data<float>();    // [N, F]
-    float* o = y.data<float>();           // [N, F]
-    for (int64_t i = 0; i < n; ++i) o[i] = a[i] * Sigmoid(a[i]) * b[i];
+    const FloatIn a(gate);  // [N, F]
+    const FloatIn b(up);    // [N, F]
+    const FloatOut o(y);    // [N, F]
+    for (int64_t i = 0; i < n; ++i) {
+      const float ai = a[i];
+      o.Set(i, ai * Sigmoid(ai) * b[i]);
+    }
     return absl::OkStatus();
   }
 
   absl::Status SwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
                               Tensor& d_gate, Tensor& d_up, Stream*) override {
-    SMAT_ASSIGN_OR_RETURN(RowsCols nf,
-                          CheckMatrices("SwiGluBackward",
-                                        {{gate, "gate"}, {up, "up"}, {dy, "dy"},
-                                         {d_gate, "d_gate"}, {d_up, "d_up"}},
-                                        kHost));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nf, CheckSwiGluBackward(gate, up, dy, d_gate, d_up, kHost));
     const int64_t n = nf.rows * nf.cols;
-    const float* a = gate.data<float>();  // [N, F]
-    const float* b = up.data<float>();    // [N, F]
-    const float* g = dy.data<float>();    // [N, F]
-    float* ga = d_gate.data<float>();     // [N, F]
-    float* gb = d_up.data<float>();       // [N, F]
+    const FloatIn a(gate);               // [N, F]
+    const FloatIn b(up);                 // [N, F]
+    const float* g = dy.data<float>();   // [N, F]
+    const FloatOut ga(d_gate);           // [N, F]
+    const FloatOut gb(d_up);             // [N, F]
     for (int64_t i = 0; i < n; ++i) {
-      const float s = Sigmoid(a[i]);
+      const float ai = a[i], s = Sigmoid(ai);
       const float gi = g[i], bi = b[i];  // read first: d_gate may alias dy
-      gb[i] = gi * a[i] * s;
-      ga[i] = gi * bi * s * (1.f + a[i] * (1.f - s));  // silu'(a) = s (1 + a (1 - s))
+      gb.Set(i, gi * ai * s);
+      ga.Set(i, gi * bi * s * (1.f + ai * (1.f - s)));  // silu'(a) = s (1 + a (1 - s))
     }
     return absl::OkStatus();
   }
@@ -152,12 +183,12 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status NegSoftplusForward(const Tensor& x, Tensor& y, Stream*) override {
-    SMAT_RETURN_IF_ERROR(CheckElementwise("NegSoftplusForward", {{x, "x"}, {y, "y"}}, kHost));
+    SMAT_RETURN_IF_ERROR(CheckUnaryForward("NegSoftplusForward", x, y, kHost));
     const float* xp = x.data<float>();
-    float* yp = y.data<float>();
+    const FloatOut yp(y);
     // softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow for large |x|.
     for (int64_t i = 0; i < x.numel(); ++i) {
-      yp[i] = -(std::max(xp[i], 0.f) + std::log1p(std::exp(-std::fabs(xp[i]))));
+      yp.Set(i, -(std::max(xp[i], 0.f) + std::log1p(std::exp(-std::fabs(xp[i])))));
     }
     return absl::OkStatus();
   }
@@ -206,9 +237,16 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status FeatureMapForward(FeatureMap f, const Tensor& x, Tensor& y, Stream*) override {
-    SMAT_RETURN_IF_ERROR(CheckFeatureMap("FeatureMapForward", f, {{x, "x"}, {y, "y"}}, kHost));
+    SMAT_RETURN_IF_ERROR(CheckFeatureMapForward(f, x, y, kHost));
     // The host loop of kernels/feature_map.h (qualified: this member hides it).
-    smat::FeatureMapForward(f, x.data<float>(), y.data<float>(), x.numel());
+    if (y.dtype() == DType::kF32) {
+      smat::FeatureMapForward(f, x.data<float>(), y.data<float>(), x.numel());
+      return absl::OkStatus();
+    }
+    std::vector<float> wide(static_cast<size_t>(x.numel()));  // bf16 y: fp32 first, then rounded
+    smat::FeatureMapForward(f, x.data<float>(), wide.data(), x.numel());
+    const FloatOut yp(y);
+    for (int64_t i = 0; i < x.numel(); ++i) yp.Set(i, wide[i]);
     return absl::OkStatus();
   }
 
@@ -221,11 +259,11 @@ class CpuModelKernels final : public ModelKernels {
   }
 
   absl::Status SoftplusForward(const Tensor& x, Tensor& y, Stream*) override {
-    SMAT_RETURN_IF_ERROR(CheckElementwise("SoftplusForward", {{x, "x"}, {y, "y"}}, kHost));
+    SMAT_RETURN_IF_ERROR(CheckUnaryForward("SoftplusForward", x, y, kHost));
     const float* xp = x.data<float>();
-    float* yp = y.data<float>();
+    const FloatOut yp(y);
     for (int64_t i = 0; i < x.numel(); ++i) {
-      yp[i] = std::max(xp[i], 0.f) + std::log1p(std::exp(-std::fabs(xp[i])));
+      yp.Set(i, std::max(xp[i], 0.f) + std::log1p(std::exp(-std::fabs(xp[i]))));
     }
     return absl::OkStatus();
   }
@@ -283,16 +321,17 @@ class CpuModelKernels final : public ModelKernels {
     const float* xp = x.data<float>();       // [batch, L, C]
     const float* pp = prefix.data<float>();  // [batch, K-1, C]
     const float* wp = w.data<float>();       // [K, C]
-    float* yp = y.data<float>();             // [batch, L, C]
+    const FloatOut yp(y);                    // [batch, L, C]
+    std::vector<float> out(static_cast<size_t>(C));  // one output row in fp32
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t t = 0; t < L; ++t) {
-        float* out = yp + (b * L + t) * C;
         for (int64_t c = 0; c < C; ++c) out[c] = 0.f;
         for (int64_t j = 0; j < K; ++j) {
           const int64_t s = t - (K - 1) + j;  // source row, negative: from the prefix
           const float* in = s >= 0 ? xp + (b * L + s) * C : pp + (b * (K - 1) + (K - 1) + s) * C;
           for (int64_t c = 0; c < C; ++c) out[c] += wp[j * C + c] * in[c];
         }
+        for (int64_t c = 0; c < C; ++c) yp.Set((b * L + t) * C + c, out[c]);
       }
     }
     return absl::OkStatus();
@@ -309,20 +348,24 @@ class CpuModelKernels final : public ModelKernels {
     const float* pp = prefix.data<float>();  // [batch, K-1, C]
     const float* wp = w.data<float>();       // [K, C]
     const float* gy = dy.data<float>();      // [batch, L, C]
-    float* gx = dx.data<float>();            // [batch, L, C]
+    const FloatOut gx(dx);                   // [batch, L, C]
     float* gp = d_prefix.data<float>();      // [batch, K-1, C]
     float* gw = d_w.data<float>();           // [K, C]
+    std::vector<float> row(static_cast<size_t>(C));  // one dx row in fp32
     // Gather form (each input row sums the outputs it fed, taps in increasing
     // order): no scatter, so the order of additions is fixed per element.
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t s = -(K - 1); s < L; ++s) {
-        float* out = s >= 0 ? gx + (b * L + s) * C : gp + (b * (K - 1) + (K - 1) + s) * C;
+        float* out = s >= 0 ? row.data() : gp + (b * (K - 1) + (K - 1) + s) * C;
         for (int64_t c = 0; c < C; ++c) out[c] = 0.f;
         for (int64_t j = 0; j < K; ++j) {
           const int64_t t = s + (K - 1) - j;  // the output row that read s through tap j
           if (t < 0 || t >= L) continue;
           const float* g = gy + (b * L + t) * C;
           for (int64_t c = 0; c < C; ++c) out[c] += wp[j * C + c] * g[c];
+        }
+        if (s >= 0) {
+          for (int64_t c = 0; c < C; ++c) gx.Set((b * L + s) * C + c, row[c]);
         }
       }
       for (int64_t t = 0; t < L; ++t) {

@@ -258,7 +258,21 @@ absl::Status CudaBackend::Axpy(float alpha, const Tensor& x, Tensor& y, Stream* 
 absl::Status CudaBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Tensor& a,
                                const Tensor& b, float beta, Tensor& c, Stream* stream) {
   SMAT_ASSIGN_OR_RETURN(cudaStream_t s, StreamOf(stream, "Gemm"));
-  SMAT_ASSIGN_OR_RETURN(GemmDims d, CheckGemm(ta, tb, a, b, c, device()));
+  const bool bf16_out = c.defined() && c.dtype() == DType::kBF16;
+  if (bf16_out && beta != 0.f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gemm: a bf16 c is overwritten, not accumulated into: beta must be 0, got ", beta));
+  }
+  if (bf16_out && a.dtype() != DType::kBF16) {  // cuBLAS has no fp32 x fp32 -> bf16
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: a bf16 c needs bf16 a and b, got a ", a.DebugString()));
+  }
+  // CheckGemm knows fp32 outputs: a bf16 c is checked as the fp32 product it rounds.
+  SMAT_ASSIGN_OR_RETURN(
+      GemmDims d,
+      CheckGemm(ta, tb, a, b,
+                bf16_out ? Tensor::Wrap(c.raw(), c.shape(), DType::kF32, c.device()) : c,
+                device()));
   if (!FitsInt(d.m) || !FitsInt(d.n) || !FitsInt(d.k) || !FitsInt(d.lda) || !FitsInt(d.ldb) ||
       !FitsInt(d.batch)) {
     return absl::InvalidArgumentError(absl::StrCat("Gemm: sizes batch=", d.batch, " m=", d.m,
@@ -271,10 +285,12 @@ absl::Status CudaBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Te
   if (d.k == 0) {
     // No products to sum: c = beta c. Done here rather than trusting every
     // cuBLAS version's handling of k = 0.
+    if (bf16_out) return Fill(c, 0.0, stream);  // beta = 0
     SMAT_CUDA_RETURN_IF_ERROR(LaunchScale(beta, c.data<float>(), c.numel(), max_blocks_, s));
     return absl::OkStatus();
   }
   const cudaDataType_t ab_type = a.dtype() == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cudaDataType_t c_type = bf16_out ? CUDA_R_16BF : CUDA_R_32F;
   // cuBLAS is column-major; a row-major (r, c) matrix is its column-major
   // transpose. So the row-major c = op(a) op(b) is computed as the column-major
   // c^T = op(b)^T op(a)^T: operands swapped, each keeping its own transpose
@@ -293,14 +309,14 @@ absl::Status CudaBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Te
   if (d.batch == 1) {
     SMAT_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(cublas_, op_b, op_a, m, n, k, &alpha, b.raw(), ab_type,
                                              ld_first, a.raw(), ab_type, ld_second, &beta, c.raw(),
-                                             CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                             c_type, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   } else {
     const long long stride_a = a.dim(-2) * a.dim(-1);
     const long long stride_b = b.dim(-2) * b.dim(-1);
     const long long stride_c = d.m * d.n;
     SMAT_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
         cublas_, op_b, op_a, m, n, k, &alpha, b.raw(), ab_type, ld_first, stride_b, a.raw(), ab_type,
-        ld_second, stride_a, &beta, c.raw(), CUDA_R_32F, ldc, stride_c, static_cast<int>(d.batch),
+        ld_second, stride_a, &beta, c.raw(), c_type, ldc, stride_c, static_cast<int>(d.batch),
         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   return absl::OkStatus();

@@ -56,6 +56,7 @@ class Scratch {
 const float* F32(const Tensor& t) { return static_cast<const float*>(t.raw()); }
 float* F32(Tensor& t) { return static_cast<float*>(t.raw()); }
 const int32_t* I32(const Tensor& t) { return static_cast<const int32_t*>(t.raw()); }
+bool IsBf16(const Tensor& t) { return t.dtype() == DType::kBF16; }
 
 class CudaModelKernels final : public ModelKernels {
  public:
@@ -105,8 +106,9 @@ class CudaModelKernels final : public ModelKernels {
     SMAT_ASSIGN_OR_RETURN(RowsCols nw, CheckRmsNormForward(x, weight, y, rstd, device()));
     const auto [N, W] = nw;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    return CudaStatus(LaunchRmsNormForward(F32(x), F32(weight), eps, F32(y), F32(rstd), N, W, s),
-                      "RmsNormForward kernel");
+    return CudaStatus(
+        LaunchRmsNormForward(F32(x), F32(weight), eps, y.raw(), IsBf16(y), F32(rstd), N, W, s),
+        "RmsNormForward kernel");
   }
 
   absl::Status RmsNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
@@ -130,24 +132,20 @@ class CudaModelKernels final : public ModelKernels {
   // --------------------------------------------------------------- SwiGLU, residual
   absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y,
                              Stream* stream) override {
-    SMAT_ASSIGN_OR_RETURN(
-        RowsCols nf,
-        CheckMatrices("SwiGluForward", {{gate, "gate"}, {up, "up"}, {y, "y"}}, device()));
+    SMAT_ASSIGN_OR_RETURN(RowsCols nf, CheckSwiGluForward(gate, up, y, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    return CudaStatus(LaunchSwiGluForward(F32(gate), F32(up), F32(y), nf.rows * nf.cols,
-                                          max_blocks_, s),
+    return CudaStatus(LaunchSwiGluForward(gate.raw(), up.raw(), IsBf16(gate), y.raw(), IsBf16(y),
+                                          nf.rows * nf.cols, max_blocks_, s),
                       "SwiGluForward kernel");
   }
 
   absl::Status SwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
                               Tensor& d_gate, Tensor& d_up, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(RowsCols nf,
-                          CheckMatrices("SwiGluBackward",
-                                        {{gate, "gate"}, {up, "up"}, {dy, "dy"},
-                                         {d_gate, "d_gate"}, {d_up, "d_up"}},
-                                        device()));
+                          CheckSwiGluBackward(gate, up, dy, d_gate, d_up, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    return CudaStatus(LaunchSwiGluBackward(F32(gate), F32(up), F32(dy), F32(d_gate), F32(d_up),
+    return CudaStatus(LaunchSwiGluBackward(gate.raw(), up.raw(), IsBf16(gate), F32(dy),
+                                           d_gate.raw(), d_up.raw(), IsBf16(d_gate),
                                            nf.rows * nf.cols, max_blocks_, s),
                       "SwiGluBackward kernel");
   }
@@ -179,11 +177,12 @@ class CudaModelKernels final : public ModelKernels {
   // --------------------------------------------------------------- feature maps
   absl::Status FeatureMapForward(FeatureMap f, const Tensor& x, Tensor& y,
                                  Stream* stream) override {
-    SMAT_RETURN_IF_ERROR(CheckFeatureMap("FeatureMapForward", f, {{x, "x"}, {y, "y"}}, device()));
+    SMAT_RETURN_IF_ERROR(CheckFeatureMapForward(f, x, y, device()));
     const CudaFeatureMap map = ToCuda(f);
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    return CudaStatus(LaunchFeatureMapForward(map, F32(x), F32(y), x.numel(), max_blocks_, s),
-                      "FeatureMapForward kernel");
+    return CudaStatus(
+        LaunchFeatureMapForward(map, F32(x), y.raw(), IsBf16(y), x.numel(), max_blocks_, s),
+        "FeatureMapForward kernel");
   }
 
   absl::Status FeatureMapBackward(FeatureMap f, const Tensor& x, const Tensor& dy, Tensor& dx,
@@ -248,7 +247,7 @@ class CudaModelKernels final : public ModelKernels {
     }
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(
-        LaunchShortConvForward(F32(x), F32(prefix), F32(w), F32(y), nb, L, C, s),
+        LaunchShortConvForward(F32(x), F32(prefix), F32(w), y.raw(), IsBf16(y), nb, L, C, s),
         "ShortConvForward kernel");
   }
 
@@ -266,8 +265,9 @@ class CudaModelKernels final : public ModelKernels {
     Scratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials,
                           scratch.Get<float>(ShortConvBackwardPartials(nb, L) * K * C));
-    return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), F32(dx),
-                                              F32(d_prefix), F32(d_w), partials, nb, L, C, s),
+    return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), dx.raw(),
+                                              IsBf16(dx), F32(d_prefix), F32(d_w), partials, nb,
+                                              L, C, s),
                       "ShortConvBackward kernel");
   }
 
@@ -447,9 +447,10 @@ class CudaModelKernels final : public ModelKernels {
   static CudaFeatureMap ToCuda(FeatureMap f) { return static_cast<CudaFeatureMap>(f); }
 
   absl::Status Softplus(const Tensor& x, Tensor& y, bool negate, const char* op, Stream* stream) {
-    SMAT_RETURN_IF_ERROR(CheckElementwise(op, {{x, "x"}, {y, "y"}}, device()));
+    SMAT_RETURN_IF_ERROR(CheckUnaryForward(op, x, y, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    return CudaStatus(LaunchSoftplus(F32(x), F32(y), x.numel(), negate, max_blocks_, s), op);
+    return CudaStatus(
+        LaunchSoftplus(F32(x), y.raw(), IsBf16(y), x.numel(), negate, max_blocks_, s), op);
   }
 
   absl::Status SigmoidTimes(const Tensor& x, const Tensor& dy, Tensor& dx, bool negate,

@@ -38,6 +38,22 @@ __device__ __forceinline__ float Softplus(float x) {
   return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)));
 }
 
+// core FloatToBf16, bit for bit: round to nearest even, NaN kept (quiet).
+__device__ __forceinline__ uint16_t ToBf16Bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0) {
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  }
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float Bf16BitsToFloat(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+
+// Stores v into an fp32 element, or (uint16_t: bf16 bits) its rounding.
+__device__ __forceinline__ void StoreAs(float* p, float v) { *p = v; }
+__device__ __forceinline__ void StoreAs(uint16_t* p, float v) { *p = ToBf16Bits(v); }
+
 // Sum over a warp in a fixed tree, the result broadcast from lane 0 so every
 // lane holds the same bits.
 template <typename T>

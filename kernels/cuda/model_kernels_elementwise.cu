@@ -13,14 +13,49 @@ namespace {
 using namespace model_cuda;  // NOLINT: the shared launch shape and reductions
 
 // ------------------------------------------------------------------ element-wise
-// A map of NI fp32 inputs to NO fp32 outputs, element by element; outputs may
-// alias inputs (each element is read before it is written, by one thread).
-// With every pointer 16-byte aligned, four elements per float4 access.
+// A map of NI inputs to NO outputs, element by element, computed in fp32;
+// each operand is fp32 or (bit k of in_bf16 / out_bf16) bf16, read exactly
+// and written rounded to nearest even (ToBf16Bits). Outputs may alias inputs
+// of their dtype (each element is read before it is written, by one thread).
+// With every fp32 pointer 16-byte and every bf16 pointer 8-byte aligned, four
+// elements per access.
 template <int NI, int NO>
 struct Pointers {
-  const float* in[NI];
-  float* out[NO];
+  const void* in[NI];
+  void* out[NO];
+  unsigned in_bf16 = 0;
+  unsigned out_bf16 = 0;
 };
+
+__device__ __forceinline__ float4 Load4(const void* p, bool bf16, int64_t i) {
+  if (bf16) {
+    const uint2 a = reinterpret_cast<const uint2*>(p)[i];
+    return make_float4(__uint_as_float(a.x << 16), __uint_as_float(a.x & 0xffff0000u),
+                       __uint_as_float(a.y << 16), __uint_as_float(a.y & 0xffff0000u));
+  }
+  return reinterpret_cast<const float4*>(p)[i];
+}
+__device__ __forceinline__ void Store4(void* p, bool bf16, int64_t i, const float4& v) {
+  if (bf16) {
+    uint2 b;
+    b.x = static_cast<uint32_t>(ToBf16Bits(v.x)) | (static_cast<uint32_t>(ToBf16Bits(v.y)) << 16);
+    b.y = static_cast<uint32_t>(ToBf16Bits(v.z)) | (static_cast<uint32_t>(ToBf16Bits(v.w)) << 16);
+    reinterpret_cast<uint2*>(p)[i] = b;
+  } else {
+    reinterpret_cast<float4*>(p)[i] = v;
+  }
+}
+__device__ __forceinline__ float Load1(const void* p, bool bf16, int64_t i) {
+  return bf16 ? Bf16BitsToFloat(static_cast<const uint16_t*>(p)[i])
+              : static_cast<const float*>(p)[i];
+}
+__device__ __forceinline__ void Store1(void* p, bool bf16, int64_t i, float v) {
+  if (bf16) {
+    static_cast<uint16_t*>(p)[i] = ToBf16Bits(v);
+  } else {
+    static_cast<float*>(p)[i] = v;
+  }
+}
 
 __device__ __forceinline__ float Lane(const float4& v, int k) {
   return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
@@ -37,7 +72,7 @@ __global__ void MapKernel(Pointers<NI, NO> p, int64_t n, bool vectorized, F f) {
     for (int64_t i = GlobalThread(); i < n4; i += GridThreads()) {
       float4 a[NI], b[NO];
 #pragma unroll
-      for (int k = 0; k < NI; ++k) a[k] = reinterpret_cast<const float4*>(p.in[k])[i];
+      for (int k = 0; k < NI; ++k) a[k] = Load4(p.in[k], (p.in_bf16 >> k) & 1u, i);
 #pragma unroll
       for (int lane = 0; lane < 4; ++lane) {
         float x[NI], y[NO];
@@ -48,17 +83,17 @@ __global__ void MapKernel(Pointers<NI, NO> p, int64_t n, bool vectorized, F f) {
         for (int k = 0; k < NO; ++k) SetLane(b[k], lane, y[k]);
       }
 #pragma unroll
-      for (int k = 0; k < NO; ++k) reinterpret_cast<float4*>(p.out[k])[i] = b[k];
+      for (int k = 0; k < NO; ++k) Store4(p.out[k], (p.out_bf16 >> k) & 1u, i, b[k]);
     }
     first_scalar = n4 * 4;
   }
   for (int64_t i = first_scalar + GlobalThread(); i < n; i += GridThreads()) {
     float x[NI], y[NO];
 #pragma unroll
-    for (int k = 0; k < NI; ++k) x[k] = p.in[k][i];
+    for (int k = 0; k < NI; ++k) x[k] = Load1(p.in[k], (p.in_bf16 >> k) & 1u, i);
     f(x, y);
 #pragma unroll
-    for (int k = 0; k < NO; ++k) p.out[k][i] = y[k];
+    for (int k = 0; k < NO; ++k) Store1(p.out[k], (p.out_bf16 >> k) & 1u, i, y[k]);
   }
 }
 
@@ -66,9 +101,14 @@ template <int NI, int NO, class F>
 cudaError_t LaunchMap(const Pointers<NI, NO>& p, int64_t n, F f, int max_blocks,
                       cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
+  auto aligned = [](const void* q, bool bf16) {
+    return (reinterpret_cast<uintptr_t>(q) & (bf16 ? 7u : 15u)) == 0;
+  };
   bool vectorized = true;
-  for (int k = 0; k < NI; ++k) vectorized = vectorized && Aligned16(p.in[k]);
-  for (int k = 0; k < NO; ++k) vectorized = vectorized && Aligned16(p.out[k]);
+  for (int k = 0; k < NI; ++k) vectorized = vectorized && aligned(p.in[k], (p.in_bf16 >> k) & 1u);
+  for (int k = 0; k < NO; ++k) {
+    vectorized = vectorized && aligned(p.out[k], (p.out_bf16 >> k) & 1u);
+  }
   const int blocks = Blocks(vectorized ? (n + 3) / 4 : n, max_blocks);
   MapKernel<NI, NO, F><<<blocks, kThreads, 0, stream>>>(p, n, vectorized, f);
   return cudaGetLastError();
@@ -144,14 +184,6 @@ struct AdamWOp {  // in: w, g, m, v; out: w, m, v
 };
 
 // ------------------------------------------------------------------ casts
-// core FloatToBf16, bit for bit.
-__device__ __forceinline__ uint16_t ToBf16Bits(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0) {
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  }
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 __global__ void CastF32ToBf16Kernel(const float* __restrict__ src, uint16_t* __restrict__ dst,
                                     int64_t n, bool vectorized) {
@@ -311,16 +343,18 @@ unsigned FeatureRowBlocks(int64_t rows) {
 
 }  // namespace
 
-cudaError_t LaunchSwiGluForward(const float* gate, const float* up, float* y, int64_t n,
-                                int max_blocks, cudaStream_t stream) {
-  return LaunchMap(Pointers<2, 1>{{gate, up}, {y}}, n, SwiGluForwardOp{}, max_blocks, stream);
+cudaError_t LaunchSwiGluForward(const void* gate, const void* up, bool in_bf16, void* y,
+                                bool y_bf16, int64_t n, int max_blocks, cudaStream_t stream) {
+  return LaunchMap(Pointers<2, 1>{{gate, up}, {y}, in_bf16 ? 3u : 0u, y_bf16 ? 1u : 0u}, n,
+                   SwiGluForwardOp{}, max_blocks, stream);
 }
 
-cudaError_t LaunchSwiGluBackward(const float* gate, const float* up, const float* dy,
-                                 float* d_gate, float* d_up, int64_t n, int max_blocks,
-                                 cudaStream_t stream) {
-  return LaunchMap(Pointers<3, 2>{{gate, up, dy}, {d_gate, d_up}}, n, SwiGluBackwardOp{},
-                   max_blocks, stream);
+cudaError_t LaunchSwiGluBackward(const void* gate, const void* up, bool in_bf16, const float* dy,
+                                 void* d_gate, void* d_up, bool out_bf16, int64_t n,
+                                 int max_blocks, cudaStream_t stream) {
+  return LaunchMap(
+      Pointers<3, 2>{{gate, up, dy}, {d_gate, d_up}, in_bf16 ? 3u : 0u, out_bf16 ? 3u : 0u}, n,
+      SwiGluBackwardOp{}, max_blocks, stream);
 }
 
 cudaError_t LaunchResidualAdd(const float* a, const float* b, float* out, int64_t n,
@@ -328,10 +362,10 @@ cudaError_t LaunchResidualAdd(const float* a, const float* b, float* out, int64_
   return LaunchMap(Pointers<2, 1>{{a, b}, {out}}, n, AddOp{}, max_blocks, stream);
 }
 
-cudaError_t LaunchSoftplus(const float* x, float* y, int64_t n, bool negate, int max_blocks,
-                           cudaStream_t stream) {
-  return LaunchMap(Pointers<1, 1>{{x}, {y}}, n, SoftplusOp{negate ? -1.f : 1.f}, max_blocks,
-                   stream);
+cudaError_t LaunchSoftplus(const float* x, void* y, bool y_bf16, int64_t n, bool negate,
+                           int max_blocks, cudaStream_t stream) {
+  return LaunchMap(Pointers<1, 1>{{x}, {y}, 0u, y_bf16 ? 1u : 0u}, n,
+                   SoftplusOp{negate ? -1.f : 1.f}, max_blocks, stream);
 }
 
 cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64_t n, bool negate,
@@ -340,13 +374,14 @@ cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64
                    max_blocks, stream);
 }
 
-cudaError_t LaunchFeatureMapForward(CudaFeatureMap f, const float* x, float* y, int64_t n,
-                                    int max_blocks, cudaStream_t stream) {
+cudaError_t LaunchFeatureMapForward(CudaFeatureMap f, const float* x, void* y, bool y_bf16,
+                                    int64_t n, int max_blocks, cudaStream_t stream) {
+  const Pointers<1, 1> p{{x}, {y}, 0u, y_bf16 ? 1u : 0u};
   switch (f) {
     case CudaFeatureMap::kEluPlusOne:
-      return LaunchMap(Pointers<1, 1>{{x}, {y}}, n, EluPlusOneForwardOp{}, max_blocks, stream);
+      return LaunchMap(p, n, EluPlusOneForwardOp{}, max_blocks, stream);
     case CudaFeatureMap::kReluEps:
-      return LaunchMap(Pointers<1, 1>{{x}, {y}}, n, ReluEpsForwardOp{}, max_blocks, stream);
+      return LaunchMap(p, n, ReluEpsForwardOp{}, max_blocks, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -53,9 +53,10 @@ cudaError_t LaunchEmbeddingBackward(const int32_t* ids, const float* d_out, floa
 
 // --- RMSNorm -----------------------------------------------------------------------
 // One warp per row; the sum of squares in double (rstd as the CPU up to the
-// order of that sum), y = (x * rstd) * w as the CPU.
-cudaError_t LaunchRmsNormForward(const float* x, const float* w, float eps, float* y, float* rstd,
-                                 int64_t N, int64_t W, cudaStream_t stream);
+// order of that sum), y = (x * rstd) * w as the CPU: fp32, or (y_bf16) bf16
+// bits rounded from it.
+cudaError_t LaunchRmsNormForward(const float* x, const float* w, float eps, void* y, bool y_bf16,
+                                 float* rstd, int64_t N, int64_t W, cudaStream_t stream);
 // dx only (one warp per row).
 cudaError_t LaunchRmsNormBackwardInput(const float* x, const float* w, const float* rstd,
                                        const float* dy, float* dx, int64_t N, int64_t W,
@@ -83,17 +84,20 @@ cudaError_t LaunchRmsNormBackward(const float* x, const float* w, const float* r
                                   int64_t N, int64_t W, cudaStream_t stream);
 
 // --- element-wise ------------------------------------------------------------------
-cudaError_t LaunchSwiGluForward(const float* gate, const float* up, float* y, int64_t n,
-                                int max_blocks, cudaStream_t stream);
-cudaError_t LaunchSwiGluBackward(const float* gate, const float* up, const float* dy,
-                                 float* d_gate, float* d_up, int64_t n, int max_blocks,
-                                 cudaStream_t stream);
+// Operands typed void* are fp32, or bf16 bits where their flag says so (read
+// exactly; written rounded to nearest even from the fp32 result, as Cast).
+// gate and up share in_bf16; d_gate and d_up share out_bf16.
+cudaError_t LaunchSwiGluForward(const void* gate, const void* up, bool in_bf16, void* y,
+                                bool y_bf16, int64_t n, int max_blocks, cudaStream_t stream);
+cudaError_t LaunchSwiGluBackward(const void* gate, const void* up, bool in_bf16, const float* dy,
+                                 void* d_gate, void* d_up, bool out_bf16, int64_t n,
+                                 int max_blocks, cudaStream_t stream);
 // out = a + b, as the CPU.
 cudaError_t LaunchResidualAdd(const float* a, const float* b, float* out, int64_t n,
                               int max_blocks, cudaStream_t stream);
 // y = sign * softplus(x), sign = -1 (negate) or +1.
-cudaError_t LaunchSoftplus(const float* x, float* y, int64_t n, bool negate, int max_blocks,
-                           cudaStream_t stream);
+cudaError_t LaunchSoftplus(const float* x, void* y, bool y_bf16, int64_t n, bool negate,
+                           int max_blocks, cudaStream_t stream);
 // dx = sign * sigmoid(x) * dy.
 cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64_t n, bool negate,
                                int max_blocks, cudaStream_t stream);
@@ -104,8 +108,8 @@ cudaError_t LaunchSigmoidTimes(const float* x, const float* dy, float* dx, int64
 // fused), so the results are bitwise the CPU's except expf(x), the accurate
 // CUDA expf (2 ulp, gradual underflow kept) where the CPU calls glibc's.
 // y may alias x, dx may alias dy. cudaErrorInvalidValue for an unknown map.
-cudaError_t LaunchFeatureMapForward(CudaFeatureMap f, const float* x, float* y, int64_t n,
-                                    int max_blocks, cudaStream_t stream);
+cudaError_t LaunchFeatureMapForward(CudaFeatureMap f, const float* x, void* y, bool y_bf16,
+                                    int64_t n, int max_blocks, cudaStream_t stream);
 cudaError_t LaunchFeatureMapBackward(CudaFeatureMap f, const float* x, const float* dy,
                                      float* dx, int64_t n, int max_blocks, cudaStream_t stream);
 // y[i, :] = x[i, :] * sigmoid(g[i]) over rows of r.
@@ -123,19 +127,22 @@ cudaError_t LaunchExpRowMaxBackward(const float* x, const float* y, const float*
 // Each thread walks a run of consecutive rows of one sequence for 4 channels
 // (float4, when C % 4 == 0 and every pointer is 16-byte aligned) or 1, with
 // the last K-1 input rows in registers.
-// y as the CPU (taps in increasing order from 0).
-cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, float* y,
-                                   int64_t nb, int64_t L, int64_t C, cudaStream_t stream);
+// y as the CPU (taps in increasing order from 0); fp32, or (y_bf16) bf16 bits
+// rounded from it (vectorized when y is 8-byte aligned).
+cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, void* y,
+                                   bool y_bf16, int64_t nb, int64_t L, int64_t C,
+                                   cudaStream_t stream);
 // Partial rows LaunchShortConvBackward needs (partials [that, K, C]).
 int64_t ShortConvBackwardPartials(int64_t nb, int64_t L);
 // One pass over x, prefix and dy: dx and d_prefix as the CPU; d_w[j, c] +=
 // sum over rows (b, t) of dy[b, t, c] * in[b, t - (K-1) + j, c] in a fixed
 // order: each run's rows in order, the runs of a block in order (a partial),
 // then the partials in fixed groups (out += the sum). d_w is unchanged when
-// L == 0 (d_prefix is then zeros).
+// L == 0 (d_prefix is then zeros). dx fp32, or (dx_bf16) bf16 bits rounded
+// from the fp32 value.
 cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const float* w,
-                                    const float* dy, float* dx, float* d_prefix, float* d_w,
-                                    float* partials, int64_t nb, int64_t L, int64_t C,
+                                    const float* dy, void* dx, bool dx_bf16, float* d_prefix,
+                                    float* d_w, float* partials, int64_t nb, int64_t L, int64_t C,
                                     cudaStream_t stream);
 
 // --- cross-entropy ------------------------------------------------------------------

@@ -14,8 +14,9 @@ using namespace model_cuda;  // NOLINT: the shared launch shape and reductions
 // ------------------------------------------------------------------ RMSNorm
 constexpr int kRowWarps = 8;  // rows (warps) per block of the per-row kernels
 
+template <typename TY>
 __global__ void RmsNormForwardKernel(const float* x, const float* __restrict__ w, float eps,
-                                     float* y, float* __restrict__ rstd, int64_t N, int64_t W) {
+                                     TY* y, float* __restrict__ rstd, int64_t N, int64_t W) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (i >= N) return;
@@ -25,7 +26,9 @@ __global__ void RmsNormForwardKernel(const float* x, const float* __restrict__ w
   ss = WarpSum(ss);
   const float r = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(W) + double{eps}));
   if (lane == 0) rstd[i] = r;
-  for (int64_t j = lane; j < W; j += kWarp) y[i * W + j] = __fmul_rn(__fmul_rn(row[j], r), w[j]);
+  for (int64_t j = lane; j < W; j += kWarp) {
+    StoreAs(y + i * W + j, __fmul_rn(__fmul_rn(row[j], r), w[j]));
+  }
 }
 
 __global__ void RmsNormBackwardInputKernel(const float* __restrict__ x, const float* __restrict__ w,
@@ -273,6 +276,22 @@ __device__ __forceinline__ void StoreVec(float* p, const Vec<V>& r) {
   }
 }
 
+// bf16 bits of the V values (rounded as Cast): uint2 for V = 4.
+template <int V>
+__device__ __forceinline__ void StoreVec(uint16_t* p, const Vec<V>& r) {
+  if constexpr (V == 4) {
+    uint2 b;
+    b.x = static_cast<uint32_t>(ToBf16Bits(r.v[0])) |
+          (static_cast<uint32_t>(ToBf16Bits(r.v[1])) << 16);
+    b.y = static_cast<uint32_t>(ToBf16Bits(r.v[2])) |
+          (static_cast<uint32_t>(ToBf16Bits(r.v[3])) << 16);
+    *reinterpret_cast<uint2*>(p) = b;
+  } else {
+#pragma unroll
+    for (int q = 0; q < V; ++q) p[q] = ToBf16Bits(r.v[q]);
+  }
+}
+
 template <int V>
 __device__ __forceinline__ Vec<V> ZeroVec() {
   Vec<V> r;
@@ -290,9 +309,9 @@ __device__ __forceinline__ const float* ConvRow(const float* x, const float* pre
 // y rows t0 .. t0 + kConvRun - 1 (those below L unless kFull: all of them).
 // win[k] holds input row t0 - (K-1) + k for k < K-1 on entry. As the CPU:
 // y = 0, then y += w[j] * in[t - (K-1) + j] for j = 0, 1, ..., K-1.
-template <int V, bool kFull>
+template <int V, bool kFull, typename TY>
 __device__ __forceinline__ void ConvForwardRun(const float* __restrict__ xb,
-                                               float* __restrict__ yb, int64_t rows_left,
+                                               TY* __restrict__ yb, int64_t rows_left,
                                                int64_t C, const Vec<V> (&wt)[K],
                                                Vec<V> (&win)[K]) {
 #pragma unroll
@@ -322,10 +341,10 @@ __device__ __forceinline__ void ConvForwardRun(const float* __restrict__ xb,
   }
 }
 
-template <int V>
+template <int V, typename TY>
 __global__ void __launch_bounds__(kWarp * kConvGroups)
     ShortConvForwardKernel(const float* __restrict__ x, const float* __restrict__ prefix,
-                           const float* __restrict__ w, float* __restrict__ y, int64_t nb,
+                           const float* __restrict__ w, TY* __restrict__ y, int64_t nb,
                            int64_t L, int64_t C) {
   const int lane = threadIdx.x % kWarp, g = threadIdx.x / kWarp;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kWarp + lane) * V;
@@ -341,11 +360,11 @@ __global__ void __launch_bounds__(kWarp * kConvGroups)
     win[k] = LoadVec<V>(ConvRow(x, prefix, b, t0 - (K - 1) + k, L, C) + c);
   }
   const float* xb = x + (b * L + t0) * C + c;
-  float* yb = y + (b * L + t0) * C + c;
+  TY* yb = y + (b * L + t0) * C + c;
   if (t0 + kConvRun <= L) {
-    ConvForwardRun<V, true>(xb, yb, L - t0, C, wt, win);
+    ConvForwardRun<V, true, TY>(xb, yb, L - t0, C, wt, win);
   } else {
-    ConvForwardRun<V, false>(xb, yb, L - t0, C, wt, win);
+    ConvForwardRun<V, false, TY>(xb, yb, L - t0, C, wt, win);
   }
 }
 
@@ -374,10 +393,10 @@ __device__ __forceinline__ Vec<V> ConvInputGrad(const Vec<V> (&wt)[K], const Vec
 // s added to acc[j] (acc[j] += dy[s] * in[s - (K-1) + j], as the CPU's term).
 // On entry xw[k] = input row t0 - (K-1) + k and dyw[k] = dy row t0 + k for
 // k < K-1 (rows >= L: unused).
-template <int V, bool kFull>
+template <int V, bool kFull, typename TX>
 __device__ __forceinline__ void ConvBackwardRun(const float* __restrict__ xb,
                                                 const float* __restrict__ dyb,
-                                                float* __restrict__ dxb, int64_t rows_left,
+                                                TX* __restrict__ dxb, int64_t rows_left,
                                                 int64_t C, const Vec<V> (&wt)[K], Vec<V> (&xw)[K],
                                                 Vec<V> (&dyw)[K], Vec<V> (&acc)[K]) {
 #pragma unroll
@@ -420,11 +439,11 @@ __device__ __forceinline__ void ConvBackwardRun(const float* __restrict__ xb,
 // warp's run as above (the d_w terms of its rows summed in row order), then
 // the block's kConvGroups run sums added in warp order. The thread of run 0
 // of sequence b also writes d_prefix[b] for its channels.
-template <int V>
+template <int V, typename TX>
 __global__ void __launch_bounds__(kWarp * kConvGroups, 2)
     ShortConvBackwardKernel(const float* __restrict__ x, const float* __restrict__ prefix,
                             const float* __restrict__ w, const float* __restrict__ dy,
-                            float* __restrict__ dx, float* __restrict__ d_prefix,
+                            TX* __restrict__ dx, float* __restrict__ d_prefix,
                             float* __restrict__ partials, int64_t nb, int64_t L, int64_t C) {
   const int lane = threadIdx.x % kWarp, g = threadIdx.x / kWarp;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kWarp + lane) * V;
@@ -467,11 +486,11 @@ __global__ void __launch_bounds__(kWarp * kConvGroups, 2)
     }
     const float* xb = x + (b * L + t0) * C + c;
     const float* dyb = dy + (b * L + t0) * C + c;
-    float* dxb = dx + (b * L + t0) * C + c;
+    TX* dxb = dx + (b * L + t0) * C + c;
     if (t0 + kConvRun + (K - 1) <= L) {
-      ConvBackwardRun<V, true>(xb, dyb, dxb, L - t0, C, wt, xw, dyw, acc);
+      ConvBackwardRun<V, true, TX>(xb, dyb, dxb, L - t0, C, wt, xw, dyw, acc);
     } else {
-      ConvBackwardRun<V, false>(xb, dyb, dxb, L - t0, C, wt, xw, dyw, acc);
+      ConvBackwardRun<V, false, TX>(xb, dyb, dxb, L - t0, C, wt, xw, dyw, acc);
     }
   }
   __shared__ float sums[K][kConvGroups][kWarp * V];
@@ -493,11 +512,17 @@ __global__ void __launch_bounds__(kWarp * kConvGroups, 2)
 
 }  // namespace
 
-cudaError_t LaunchRmsNormForward(const float* x, const float* w, float eps, float* y, float* rstd,
-                                 int64_t N, int64_t W, cudaStream_t stream) {
+cudaError_t LaunchRmsNormForward(const float* x, const float* w, float eps, void* y, bool y_bf16,
+                                 float* rstd, int64_t N, int64_t W, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  RmsNormForwardKernel<<<static_cast<unsigned>((N + kRowWarps - 1) / kRowWarps),
-                         kRowWarps * kWarp, 0, stream>>>(x, w, eps, y, rstd, N, W);
+  const unsigned blocks = static_cast<unsigned>((N + kRowWarps - 1) / kRowWarps);
+  if (y_bf16) {
+    RmsNormForwardKernel<<<blocks, kRowWarps * kWarp, 0, stream>>>(
+        x, w, eps, static_cast<uint16_t*>(y), rstd, N, W);
+  } else {
+    RmsNormForwardKernel<<<blocks, kRowWarps * kWarp, 0, stream>>>(
+        x, w, eps, static_cast<float*>(y), rstd, N, W);
+  }
   return cudaGetLastError();
 }
 
@@ -552,39 +577,58 @@ int64_t ShortConvBackwardPartials(int64_t nb, int64_t L) {
   return std::max<int64_t>(1, (nb * ConvRuns(L) + kConvGroups - 1) / kConvGroups);
 }
 
-cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, float* y,
-                                   int64_t nb, int64_t L, int64_t C, cudaStream_t stream) {
+cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, void* y,
+                                   bool y_bf16, int64_t nb, int64_t L, int64_t C,
+                                   cudaStream_t stream) {
   if (nb * L * C == 0) return cudaSuccess;
-  const bool vec = C % 4 == 0 && Aligned16(x) && Aligned16(prefix) && Aligned16(w) && Aligned16(y);
+  const bool y_aligned = (reinterpret_cast<uintptr_t>(y) & (y_bf16 ? 7u : 15u)) == 0;
+  const bool vec = C % 4 == 0 && Aligned16(x) && Aligned16(prefix) && Aligned16(w) && y_aligned;
   const int64_t tiles = (C / (vec ? 4 : 1) + kWarp - 1) / kWarp;
   const int64_t blocks = (nb * ConvRuns(L) + kConvGroups - 1) / kConvGroups;
   if (tiles > 65535 || blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
-  if (vec) {
-    ShortConvForwardKernel<4><<<grid, kWarp * kConvGroups, 0, stream>>>(x, prefix, w, y, nb, L, C);
+  uint16_t* yh = static_cast<uint16_t*>(y);
+  float* yf = static_cast<float*>(y);
+  const unsigned threads = kWarp * kConvGroups;
+  if (vec && y_bf16) {
+    ShortConvForwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, yh, nb, L, C);
+  } else if (vec) {
+    ShortConvForwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, yf, nb, L, C);
+  } else if (y_bf16) {
+    ShortConvForwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, yh, nb, L, C);
   } else {
-    ShortConvForwardKernel<1><<<grid, kWarp * kConvGroups, 0, stream>>>(x, prefix, w, y, nb, L, C);
+    ShortConvForwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, yf, nb, L, C);
   }
   return cudaGetLastError();
 }
 
 cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const float* w,
-                                    const float* dy, float* dx, float* d_prefix, float* d_w,
-                                    float* partials, int64_t nb, int64_t L, int64_t C,
+                                    const float* dy, void* dx, bool dx_bf16, float* d_prefix,
+                                    float* d_w, float* partials, int64_t nb, int64_t L, int64_t C,
                                     cudaStream_t stream) {
   if (nb * C == 0) return cudaSuccess;
+  const bool dx_aligned = (reinterpret_cast<uintptr_t>(dx) & (dx_bf16 ? 7u : 15u)) == 0;
   const bool vec = C % 4 == 0 && Aligned16(x) && Aligned16(prefix) && Aligned16(w) &&
-                   Aligned16(dy) && Aligned16(dx) && Aligned16(d_prefix);
+                   Aligned16(dy) && dx_aligned && Aligned16(d_prefix);
   const int64_t tiles = (C / (vec ? 4 : 1) + kWarp - 1) / kWarp;
   const int64_t blocks = ShortConvBackwardPartials(nb, L);
   if (tiles > 65535 || blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
-  if (vec) {
-    ShortConvBackwardKernel<4><<<grid, kWarp * kConvGroups, 0, stream>>>(
-        x, prefix, w, dy, dx, d_prefix, partials, nb, L, C);
+  uint16_t* dxh = static_cast<uint16_t*>(dx);
+  float* dxf = static_cast<float*>(dx);
+  const unsigned threads = kWarp * kConvGroups;
+  if (vec && dx_bf16) {
+    ShortConvBackwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxh, d_prefix,
+                                                             partials, nb, L, C);
+  } else if (vec) {
+    ShortConvBackwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxf, d_prefix,
+                                                             partials, nb, L, C);
+  } else if (dx_bf16) {
+    ShortConvBackwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxh, d_prefix,
+                                                             partials, nb, L, C);
   } else {
-    ShortConvBackwardKernel<1><<<grid, kWarp * kConvGroups, 0, stream>>>(
-        x, prefix, w, dy, dx, d_prefix, partials, nb, L, C);
+    ShortConvBackwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxf, d_prefix,
+                                                             partials, nb, L, C);
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || L == 0) return err;  // no rows: d_w unchanged

@@ -27,6 +27,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -649,6 +650,178 @@ TEST_F(ModelKernelsGpuTest, SumOfSquaresMatchesCpu) {
   EXPECT_EQ(*empty, 0.0);
   const absl::Status bad = gmk_->SumOfSquares({dev[0], host[1]}).status();
   EXPECT_NE(std::string(bad.message()).find("tensor 1"), std::string::npos) << bad;
+}
+
+// ------------------------------------------------------------------ bf16 outputs and inputs
+// An op that writes bf16 (run.bf16: activations only products read) gives
+// exactly the GPU Cast of its own fp32 result, and one that reads bf16 gate /
+// up gives exactly its fp32 result on the widened values; bf16 outputs start
+// as NaN, sizes are odd (the scalar tail), and unaligned views take the scalar
+// path. The conv's bf16 outputs are also the CPU's bits.
+
+class ModelKernelsBf16GpuTest : public ModelKernelsGpuTest {
+ protected:
+  // A device bf16 tensor of NaN.
+  Tensor P16(const Shape& shape) { return To(Poisoned(shape), DType::kBF16); }
+  // The GPU cast of a device tensor.
+  Tensor To(const Tensor& dev, DType dtype) {
+    Tensor out = Tensor::Empty(dev.shape(), dtype, gpu_->allocator()).value();
+    SMAT_CHECK(gmk_->Cast(dev, out).ok());
+    return out;
+  }
+};
+
+TEST_F(ModelKernelsBf16GpuTest, ElementwiseBf16OutputsAreTheCastOfFp32) {
+  const int64_t N = 1031, F = 1037;
+  const Tensor da = Dev(Random({N, F}, 51, 4.f)), db = Dev(Random({N, F}, 52, 2.f));
+  const Tensor ddy = Dev(Random({N, F}, 53));
+  const Tensor a16 = To(da, DType::kBF16), b16 = To(db, DType::kBF16);
+  const Tensor aw = To(a16, DType::kF32), bw = To(b16, DType::kF32);  // what a16, b16 hold
+  for (bool in16 : {false, true}) {
+    SCOPED_TRACE(in16 ? "bf16 gate and up" : "fp32 gate and up");
+    const Tensor& g32 = in16 ? aw : da;
+    const Tensor& u32 = in16 ? bw : db;
+    const Tensor& gin = in16 ? a16 : da;
+    const Tensor& uin = in16 ? b16 : db;
+    Tensor y = Poisoned({N, F}), dg = Poisoned({N, F}), du = Poisoned({N, F});
+    SMAT_ASSERT_OK(gmk_->SwiGluForward(g32, u32, y));
+    SMAT_ASSERT_OK(gmk_->SwiGluBackward(g32, u32, ddy, dg, du));
+    if (in16) {
+      Tensor y2 = Poisoned({N, F}), dg2 = Poisoned({N, F}), du2 = Poisoned({N, F});
+      SMAT_ASSERT_OK(gmk_->SwiGluForward(gin, uin, y2));
+      SMAT_ASSERT_OK(gmk_->SwiGluBackward(gin, uin, ddy, dg2, du2));
+      ExpectBitwise(Host(y2), Host(y), "SwiGluForward on bf16 inputs");
+      ExpectBitwise(Host(dg2), Host(dg), "SwiGluBackward d_gate on bf16 inputs");
+      ExpectBitwise(Host(du2), Host(du), "SwiGluBackward d_up on bf16 inputs");
+    }
+    Tensor y16 = P16({N, F}), dg16 = P16({N, F}), du16 = P16({N, F});
+    SMAT_ASSERT_OK(gmk_->SwiGluForward(gin, uin, y16));
+    SMAT_ASSERT_OK(gmk_->SwiGluBackward(gin, uin, ddy, dg16, du16));
+    ExpectBitwise(Host(y16), Host(To(y, DType::kBF16)), "SwiGluForward bf16 y");
+    ExpectBitwise(Host(dg16), Host(To(dg, DType::kBF16)), "SwiGluBackward bf16 d_gate");
+    ExpectBitwise(Host(du16), Host(To(du, DType::kBF16)), "SwiGluBackward bf16 d_up");
+  }
+  // Unaligned bf16 views: the scalar path.
+  {
+    const int64_t m = N * F - 3;
+    Tensor y = Poisoned({m}), y16 = P16({m + 1}).View(1, {m});
+    const Tensor va = a16.View(1, {m}), vb = b16.View(3, {m});
+    Tensor vaw = To(va, DType::kF32), vbw = To(vb, DType::kF32);
+    Tensor ym = y.View(0, {1, m});
+    SMAT_ASSERT_OK(gmk_->SwiGluForward(vaw.View(0, {1, m}), vbw.View(0, {1, m}), ym));
+    Tensor y16m = y16.View(0, {1, m});
+    SMAT_ASSERT_OK(gmk_->SwiGluForward(va.View(0, {1, m}), vb.View(0, {1, m}), y16m));
+    ExpectBitwise(Host(y16), Host(To(y, DType::kBF16)), "SwiGluForward on unaligned bf16 views");
+  }
+  // The unary forward maps.
+  using Op = std::function<absl::Status(const Tensor&, Tensor&)>;
+  const std::vector<std::pair<const char*, Op>> ops = {
+      {"SoftplusForward", [&](const Tensor& x, Tensor& y) { return gmk_->SoftplusForward(x, y); }},
+      {"NegSoftplusForward",
+       [&](const Tensor& x, Tensor& y) { return gmk_->NegSoftplusForward(x, y); }},
+      {"FeatureMapForward elu+1",
+       [&](const Tensor& x, Tensor& y) {
+         return gmk_->FeatureMapForward(FeatureMap::kEluPlusOne, x, y);
+       }},
+      {"FeatureMapForward relu",
+       [&](const Tensor& x, Tensor& y) {
+         return gmk_->FeatureMapForward(FeatureMap::kReluEps, x, y);
+       }},
+  };
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    Tensor y = Poisoned({N, F}), y16 = P16({N, F});
+    SMAT_ASSERT_OK(op(da, y));
+    SMAT_ASSERT_OK(op(da, y16));
+    ExpectBitwise(Host(y16), Host(To(y, DType::kBF16)), name);
+    const int64_t m = N * F - 2;
+    Tensor vy = Poisoned({m}), vy16 = P16({m + 1}).View(1, {m});
+    SMAT_ASSERT_OK(op(da.View(1, {m}), vy));
+    SMAT_ASSERT_OK(op(da.View(1, {m}), vy16));
+    ExpectBitwise(Host(vy16), Host(To(vy, DType::kBF16)), name);
+    // A bf16 y may not overwrite its fp32 x.
+    Tensor x = Dev(Random({N, F}, 54));
+    Tensor x_as_bf16 = Tensor::Wrap(x.raw(), {N, F}, DType::kBF16, x.device());
+    const absl::Status s = op(x, x_as_bf16);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find("may not alias"), std::string::npos) << s;
+  }
+}
+
+TEST_F(ModelKernelsBf16GpuTest, RmsNormBf16OutputIsTheCastOfFp32) {
+  const int64_t N = 1031, W = 389;
+  const Tensor gx = Dev(Random({N, W}, 55, 2.f)), gw = Dev(Random({W}, 56));
+  Tensor y = Poisoned({N, W}), rstd = Poisoned({N}), y16 = P16({N, W}), rstd16 = Poisoned({N});
+  SMAT_ASSERT_OK(gmk_->RmsNormForward(gx, gw, 1e-6f, y, rstd));
+  SMAT_ASSERT_OK(gmk_->RmsNormForward(gx, gw, 1e-6f, y16, rstd16));
+  ExpectBitwise(Host(y16), Host(To(y, DType::kBF16)), "RmsNormForward bf16 y");
+  ExpectBitwise(Host(rstd16), Host(rstd), "RmsNormForward rstd beside a bf16 y");
+}
+
+// Both conv paths (float4 at C = 384 / 132, scalar at C = 389 and on an
+// unaligned bf16 view), bitwise the CPU's bf16 outputs.
+TEST_F(ModelKernelsBf16GpuTest, ShortConvBf16OutputsMatchCpu) {
+  constexpr int64_t K = kShortConvWidth;
+  struct Case {
+    int64_t nb, L, C;
+    bool unaligned_out;
+  };
+  for (const Case& k : {Case{2, 347, 384, false}, Case{3, 37, 389, false},
+                        Case{2, 19, 132, false}, Case{2, 37, 132, true}}) {
+    SCOPED_TRACE("nb " + std::to_string(k.nb) + ", L " + std::to_string(k.L) + ", C " +
+                 std::to_string(k.C) + (k.unaligned_out ? ", outputs unaligned" : ""));
+    const int64_t nb = k.nb, L = k.L, C = k.C;
+    const Tensor x = Random({nb, L, C}, 57), prefix = Random({nb, K - 1, C}, 58);
+    const Tensor w = Random({K, C}, 59), dy = Random({nb, L, C}, 60), dw0 = Random({K, C}, 61);
+    Tensor y16 = *Tensor::Empty({nb, L, C}, DType::kBF16), dx16 = Clone(y16);
+    Tensor dp = *Tensor::Empty({nb, K - 1, C}, DType::kF32), dw = Clone(dw0);
+    ASSERT_TRUE(cmk_->ShortConvForward(x, prefix, w, y16).ok());
+    ASSERT_TRUE(cmk_->ShortConvBackward(x, prefix, w, dy, dx16, dp, dw).ok());
+    const int64_t off = k.unaligned_out ? 1 : 0, n = nb * L * C;
+    Tensor gy16 = P16({n + off}).View(off, {nb, L, C});
+    Tensor gdx16 = P16({n + off}).View(off, {nb, L, C});
+    const Tensor gx = Dev(x), gp = Dev(prefix), gw = Dev(w), gdyv = Dev(dy);
+    SMAT_ASSERT_OK(gmk_->ShortConvForward(gx, gp, gw, gy16));
+    ExpectBitwise(Host(gy16), y16, "ShortConvForward bf16 y");
+    Tensor gdp = Poisoned({nb, K - 1, C}), gdw = Dev(dw0);
+    SMAT_ASSERT_OK(gmk_->ShortConvBackward(gx, gp, gw, gdyv, gdx16, gdp, gdw));
+    ExpectBitwise(Host(gdx16), dx16, "ShortConvBackward bf16 dx");
+    ExpectBitwise(Host(gdp), dp, "ShortConvBackward d_prefix beside a bf16 dx");
+    ExpectClose(Host(gdw), dw, 1e-5, 1e-5, "ShortConvBackward d_w beside a bf16 dx");
+  }
+}
+
+// Backend::Gemm with a bf16 c (the MLP's gate and up products with run.bf16):
+// within a bf16 rounding of the fp32 product (cuBLAS may pick another
+// summation order for the bf16 output), every transpose, odd sizes, batched,
+// NaN in c overwritten; beta != 0 is an error.
+TEST_F(ModelKernelsBf16GpuTest, GemmBf16OutputRoundsTheFp32Product) {
+  struct Case {
+    bool ta, tb;
+    int64_t batch, m, n, k;
+  };
+  for (const Case& g : {Case{false, true, 0, 1031, 1037, 389}, Case{false, false, 0, 77, 131, 389},
+                        Case{true, false, 0, 389, 129, 1031}, Case{true, true, 3, 33, 65, 47}}) {
+    SCOPED_TRACE(std::string(g.ta ? "T" : "N") + (g.tb ? "T" : "N") + " batch " +
+                 std::to_string(g.batch) + " m " + std::to_string(g.m));
+    auto shape = [&](int64_t r, int64_t c) {
+      return g.batch == 0 ? Shape{r, c} : Shape{g.batch, r, c};
+    };
+    const Tensor a = To(Dev(Random(g.ta ? shape(g.k, g.m) : shape(g.m, g.k), 62)), DType::kBF16);
+    const Tensor b = To(Dev(Random(g.tb ? shape(g.n, g.k) : shape(g.k, g.n), 63)), DType::kBF16);
+    const Transpose ta = g.ta ? Transpose::kYes : Transpose::kNo;
+    const Transpose tb = g.tb ? Transpose::kYes : Transpose::kNo;
+    Tensor c32 = Poisoned(shape(g.m, g.n)), c16 = P16(shape(g.m, g.n));
+    SMAT_ASSERT_OK(gpu_->Gemm(ta, tb, 1.f, a, b, 0.f, c32));
+    SMAT_ASSERT_OK(gpu_->Gemm(ta, tb, 1.f, a, b, 0.f, c16));
+    ExpectClose(Host(To(c16, DType::kF32)), Host(c32), 1.0 / 256, 1e-5, "Gemm bf16 c");
+  }
+  const Tensor a = To(Dev(Random({4, 5}, 64)), DType::kBF16);
+  const Tensor b = To(Dev(Random({5, 3}, 65)), DType::kBF16);
+  Tensor c = P16({4, 3});
+  const absl::Status s = gpu_->Gemm(Transpose::kNo, Transpose::kNo, 1.f, a, b, 1.f, c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("beta must be 0"), std::string::npos) << s;
 }
 
 }  // namespace

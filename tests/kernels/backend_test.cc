@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/model_kernels.h"
 
 namespace smat {
 namespace {
@@ -458,13 +459,68 @@ TEST(CpuBackendTest, GemmRejectsBadOperands) {
   expect(f32({4, 5}), f32({5, 3}), f32({3, 4}), "c must be 4 x 3");
   expect(f32({4, 5}), Tensor::Empty({5, 3}, DType::kBF16).value(), f32({4, 3}), "b must have a's dtype");
   expect(Tensor::Empty({4, 5}, DType::kI32).value(), f32({5, 3}), f32({4, 3}), "a must be fp32 or bf16");
-  expect(f32({4, 5}), f32({5, 3}), Tensor::Empty({4, 3}, DType::kBF16).value(), "c must be fp32");
+  expect(f32({4, 5}), f32({5, 3}), Tensor::Empty({4, 3}, DType::kBF16).value(),
+         "a bf16 c needs bf16 a and b");
+  expect(f32({4, 5}), f32({5, 3}), Tensor::Empty({4, 3}, DType::kI32).value(), "c must be fp32");
   expect(f32({2, 4, 5}), f32({5, 3}), f32({2, 4, 3}), "same rank");
   expect(f32({2, 4, 5}), f32({3, 5, 3}), f32({2, 4, 3}), "batch dimension");
   expect(f32({1, 2, 4, 5}), f32({1, 2, 5, 3}), f32({1, 2, 4, 3}), "rank 2");
   float fake[15];
   expect(f32({3, 5}), Tensor::Wrap(fake, {5, 3}, DType::kF32, Device::Cuda(0)), f32({3, 3}),
          "b is fp32[5, 3] on cuda:0");
+}
+
+// A bf16 c (beta = 0): exactly the bf16 rounding (Cast) of the fp32 product,
+// every transpose, odd sizes, batched; NaN in c is overwritten; beta != 0 and
+// wrong shapes are errors.
+TEST(CpuBackendTest, GemmBf16OutputIsTheCastOfTheFp32Product) {
+  CpuBackend cpu;
+  ModelKernels* mk = cpu.model().value();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  auto bf16 = [&](Shape s) {
+    Tensor f = Tensor::Empty(s, DType::kF32).value();
+    for (int64_t i = 0; i < f.numel(); ++i) f.data<float>()[i] = nd(rng);
+    Tensor h = Tensor::Empty(s, DType::kBF16).value();
+    EXPECT_TRUE(mk->Cast(f, h).ok());
+    return h;
+  };
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (int64_t batch : {int64_t{0}, int64_t{3}}) {  // 0: rank 2
+        SCOPED_TRACE(std::string("ta ") + (ta ? "T" : "N") + ", tb " + (tb ? "T" : "N") +
+                     ", batch " + std::to_string(batch));
+        const int64_t m = 7, n = 13, k = 29;
+        auto shape = [&](int64_t r, int64_t c) {
+          return batch == 0 ? Shape{r, c} : Shape{batch, r, c};
+        };
+        const Tensor a = bf16(ta ? shape(k, m) : shape(m, k));
+        const Tensor b = bf16(tb ? shape(n, k) : shape(k, n));
+        Tensor c32 = Tensor::Empty(shape(m, n), DType::kF32).value();
+        Tensor c16 = Tensor::Empty(shape(m, n), DType::kBF16).value();
+        ASSERT_TRUE(cpu.Fill(c16, std::numeric_limits<double>::quiet_NaN()).ok());
+        const Transpose tA = ta ? Transpose::kYes : Transpose::kNo;
+        const Transpose tB = tb ? Transpose::kYes : Transpose::kNo;
+        ASSERT_TRUE(cpu.Gemm(tA, tB, 0.5f, a, b, 0.f, c32).ok());
+        const absl::Status s = cpu.Gemm(tA, tB, 0.5f, a, b, 0.f, c16);
+        ASSERT_TRUE(s.ok()) << s;
+        Tensor want = Tensor::Empty(shape(m, n), DType::kBF16).value();
+        ASSERT_TRUE(mk->Cast(c32, want).ok());
+        EXPECT_EQ(std::memcmp(c16.raw(), want.raw(), want.nbytes()), 0);
+        int nonzero = 0;
+        for (int64_t i = 0; i < c16.numel(); ++i) nonzero += c16.data<uint16_t>()[i] != 0;
+        EXPECT_GT(nonzero, c16.numel() / 2);
+      }
+    }
+  }
+  const Tensor a = bf16({4, 5}), b = bf16({5, 3});
+  Tensor c = Tensor::Empty({4, 3}, DType::kBF16).value();
+  absl::Status s = cpu.Gemm(Transpose::kNo, Transpose::kNo, 1.f, a, b, 1.f, c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(s.message(), "beta must be 0")) << s.message();
+  Tensor wrong = Tensor::Empty({3, 4}, DType::kBF16).value();
+  s = cpu.Gemm(Transpose::kNo, Transpose::kNo, 1.f, a, b, 0.f, wrong);
+  EXPECT_TRUE(absl::StrContains(s.message(), "c must be 4 x 3")) << s.message();
 }
 
 }  // namespace

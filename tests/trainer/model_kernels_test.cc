@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/rng.h"
@@ -573,6 +574,154 @@ TEST_F(ModelKernelsTest, AdamWUpdateMatchesDoubleReferenceAndOptimizerBits) {
   EXPECT_GT(MaxAbs(m), 0);
   Tensor bad = Zeros({n + 1});
   EXPECT_EQ(mk_->AdamWUpdate(w, bad, m, v, {}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace smat
+
+namespace smat {
+namespace {
+
+// --- bf16 outputs and inputs (run.bf16) ------------------------------------------------
+// An op that writes bf16 gives exactly Cast of its fp32 result (so writing the
+// bf16 operand directly changes no bit against the former cast pass), and an
+// op that reads bf16 gives exactly its fp32 result on the widened values.
+// Outputs start as bf16 NaN, so an element left unwritten fails.
+
+class ModelKernelsBf16Test : public ModelKernelsTest {
+ protected:
+  Tensor To(const Tensor& t, DType dtype) {
+    Tensor out = *Tensor::Empty(t.shape(), dtype);
+    SMAT_CHECK(mk_->Cast(t, out).ok());
+    return out;
+  }
+  static Tensor Bf16NaN(Shape shape) {
+    Tensor t = *Tensor::Empty(std::move(shape), DType::kBF16);
+    uint16_t* p = static_cast<uint16_t*>(t.raw());
+    std::fill(p, p + t.numel(), uint16_t{0x7fc1});
+    return t;
+  }
+  static void ExpectSameBits(const Tensor& got, const Tensor& want, const char* what) {
+    ASSERT_EQ(got.dtype(), want.dtype()) << what;
+    ASSERT_EQ(got.nbytes(), want.nbytes()) << what;
+    ASSERT_GT(got.numel(), 0) << what;
+    const uint8_t* g = static_cast<const uint8_t*>(got.raw());
+    const uint8_t* w = static_cast<const uint8_t*>(want.raw());
+    const size_t es = DTypeSize(got.dtype());
+    for (size_t i = 0; i < got.nbytes(); i += es) {
+      ASSERT_EQ(std::memcmp(g + i, w + i, es), 0) << what << ": element " << i / es << " differs";
+    }
+  }
+};
+
+TEST_F(ModelKernelsBf16Test, RmsNormWritesTheCastOfItsFp32Output) {
+  const int64_t N = 37, W = 29;
+  const Tensor x = Randn({N, W}, 1, 2.f), w = Randn({W}, 2);
+  Tensor y = Zeros({N, W}), rstd = Zeros({N}), y16 = Bf16NaN({N, W}), rstd16 = Zeros({N});
+  ASSERT_TRUE(mk_->RmsNormForward(x, w, 1e-6f, y, rstd).ok());
+  ASSERT_TRUE(mk_->RmsNormForward(x, w, 1e-6f, y16, rstd16).ok());
+  ExpectSameBits(y16, To(y, DType::kBF16), "RmsNormForward y bf16");
+  ExpectSameBits(rstd16, rstd, "RmsNormForward rstd beside a bf16 y");
+}
+
+TEST_F(ModelKernelsBf16Test, SwiGluReadsAndWritesBf16) {
+  const int64_t N = 31, F = 53;
+  const Tensor gate = Randn({N, F}, 3, 3.f), up = Randn({N, F}, 4), dy = Randn({N, F}, 5);
+  const Tensor gate16 = To(gate, DType::kBF16), up16 = To(up, DType::kBF16);
+  // The fp32 inputs that the bf16 ones stand for.
+  const Tensor gate_w = To(gate16, DType::kF32), up_w = To(up16, DType::kF32);
+  for (bool in16 : {false, true}) {
+    SCOPED_TRACE(in16 ? "bf16 gate and up" : "fp32 gate and up");
+    const Tensor& g32 = in16 ? gate_w : gate;
+    const Tensor& u32 = in16 ? up_w : up;
+    const Tensor& gin = in16 ? gate16 : gate;
+    const Tensor& uin = in16 ? up16 : up;
+    Tensor y = Zeros({N, F}), dg = Zeros({N, F}), du = Zeros({N, F});
+    ASSERT_TRUE(mk_->SwiGluForward(g32, u32, y).ok());
+    ASSERT_TRUE(mk_->SwiGluBackward(g32, u32, dy, dg, du).ok());
+    Tensor y32 = Zeros({N, F}), dg32 = Zeros({N, F}), du32 = Zeros({N, F});
+    ASSERT_TRUE(mk_->SwiGluForward(gin, uin, y32).ok());
+    ASSERT_TRUE(mk_->SwiGluBackward(gin, uin, dy, dg32, du32).ok());
+    ExpectSameBits(y32, y, "SwiGluForward fp32 y");
+    ExpectSameBits(dg32, dg, "SwiGluBackward fp32 d_gate");
+    ExpectSameBits(du32, du, "SwiGluBackward fp32 d_up");
+    Tensor y16 = Bf16NaN({N, F}), dg16 = Bf16NaN({N, F}), du16 = Bf16NaN({N, F});
+    ASSERT_TRUE(mk_->SwiGluForward(gin, uin, y16).ok());
+    ASSERT_TRUE(mk_->SwiGluBackward(gin, uin, dy, dg16, du16).ok());
+    ExpectSameBits(y16, To(y, DType::kBF16), "SwiGluForward bf16 y");
+    ExpectSameBits(dg16, To(dg, DType::kBF16), "SwiGluBackward bf16 d_gate");
+    ExpectSameBits(du16, To(du, DType::kBF16), "SwiGluBackward bf16 d_up");
+  }
+  // gate and up share a dtype, and so do d_gate and d_up.
+  Tensor y = Zeros({N, F}), dg16 = Bf16NaN({N, F}), du = Zeros({N, F});
+  absl::Status s = mk_->SwiGluForward(gate16, up, y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("SwiGluForward: up"), std::string::npos) << s;
+  s = mk_->SwiGluBackward(gate, up, dy, dg16, du);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("SwiGluBackward: d_up"), std::string::npos) << s;
+  // dy stays fp32.
+  Tensor du2 = Zeros({N, F});
+  s = mk_->SwiGluBackward(gate, up, To(dy, DType::kBF16), du, du2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("SwiGluBackward: dy"), std::string::npos) << s;
+}
+
+TEST_F(ModelKernelsBf16Test, FeatureMapsWriteTheCastOfTheirFp32Output) {
+  const int64_t N = 23, C = 41;
+  const Tensor x = Randn({N, C}, 6, 3.f);
+  using Op = std::function<absl::Status(const Tensor&, Tensor&)>;
+  const std::vector<std::pair<const char*, Op>> ops = {
+      {"SoftplusForward", [&](const Tensor& a, Tensor& b) { return mk_->SoftplusForward(a, b); }},
+      {"NegSoftplusForward",
+       [&](const Tensor& a, Tensor& b) { return mk_->NegSoftplusForward(a, b); }},
+      {"FeatureMapForward elu+1",
+       [&](const Tensor& a, Tensor& b) {
+         return mk_->FeatureMapForward(FeatureMap::kEluPlusOne, a, b);
+       }},
+      {"FeatureMapForward relu",
+       [&](const Tensor& a, Tensor& b) {
+         return mk_->FeatureMapForward(FeatureMap::kReluEps, a, b);
+       }},
+  };
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    Tensor y = Zeros({N, C}), y16 = Bf16NaN({N, C});
+    ASSERT_TRUE(op(x, y).ok());
+    ASSERT_TRUE(op(x, y16).ok());
+    ExpectSameBits(y16, To(y, DType::kBF16), name);
+    // A bf16 y may not overwrite its fp32 x in place.
+    Tensor x_as_bf16 = Tensor::Wrap(const_cast<void*>(x.raw()), {N, C}, DType::kBF16, x.device());
+    const absl::Status s = op(x, x_as_bf16);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find("may not alias"), std::string::npos) << s;
+    // Neither fp32 nor bf16.
+    Tensor ints = *Tensor::Empty({N, C}, DType::kI32);
+    const absl::Status bad = op(x, ints);
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(std::string(bad.message()).find("expected fp32 or bf16"), std::string::npos) << bad;
+  }
+}
+
+TEST_F(ModelKernelsBf16Test, ShortConvWritesTheCastOfItsFp32Outputs) {
+  const int64_t nb = 2, L = 19, C = 13, K = kShortConvWidth;
+  const Tensor x = Randn({nb, L, C}, 7), prefix = Randn({nb, K - 1, C}, 8),
+               w = Randn({K, C}, 9), dy = Randn({nb, L, C}, 10);
+  Tensor y = Zeros({nb, L, C}), y16 = Bf16NaN({nb, L, C});
+  ASSERT_TRUE(mk_->ShortConvForward(x, prefix, w, y).ok());
+  ASSERT_TRUE(mk_->ShortConvForward(x, prefix, w, y16).ok());
+  ExpectSameBits(y16, To(y, DType::kBF16), "ShortConvForward bf16 y");
+  const Tensor dw0 = Randn({K, C}, 11);  // d_w accumulates
+  Tensor dx = Zeros({nb, L, C}), dp = Zeros({nb, K - 1, C}), dw = To(dw0, DType::kF32);
+  Tensor dx16 = Bf16NaN({nb, L, C}), dp16 = Zeros({nb, K - 1, C}), dw16 = To(dw0, DType::kF32);
+  ASSERT_TRUE(mk_->ShortConvBackward(x, prefix, w, dy, dx, dp, dw).ok());
+  ASSERT_TRUE(mk_->ShortConvBackward(x, prefix, w, dy, dx16, dp16, dw16).ok());
+  ExpectSameBits(dx16, To(dx, DType::kBF16), "ShortConvBackward bf16 dx");
+  ExpectSameBits(dp16, dp, "ShortConvBackward d_prefix beside a bf16 dx");
+  ExpectSameBits(dw16, dw, "ShortConvBackward d_w beside a bf16 dx");
+  // The inputs stay fp32.
+  const absl::Status s = mk_->ShortConvForward(To(x, DType::kBF16), prefix, w, y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }
 
 }  // namespace
