@@ -29,6 +29,25 @@ absl::StatusOr<Tensor> Dense::Operand(const Tensor& t, Slot slot) {
   return out;
 }
 
+absl::StatusOr<Tensor> Dense::NewOperand(Shape shape) {
+  return Tensor::Empty(std::move(shape), bf16_ ? DType::kBF16 : DType::kF32,
+                       backend_->allocator());
+}
+
+absl::StatusOr<Tensor> Dense::WeightOperand(const Parameter& w) {
+  if (!bf16_ || generation_ == 0) return Operand(w.value, kWeight);
+  CachedWeight& c = weights_[&w];
+  if (c.generation == generation_) return c.value;
+  if (!c.value.defined() || c.value.shape() != w.value.shape()) {
+    c.value = Tensor();
+    SMAT_ASSIGN_OR_RETURN(c.value,
+                          Tensor::Empty(w.value.shape(), DType::kBF16, backend_->allocator()));
+  }
+  SMAT_RETURN_IF_ERROR(kernels_->Cast(w.value, c.value));
+  c.generation = generation_;
+  return c.value;
+}
+
 absl::StatusOr<Tensor> Dense::Ones(int64_t n) {
   if (!ones_.defined() || ones_.numel() < n) {
     ones_ = Tensor();
@@ -42,7 +61,7 @@ absl::Status Dense::Forward(const Tensor& x, const Parameter& w, const Parameter
                             Tensor& y) {
   Backend& be = *backend_;
   SMAT_ASSIGN_OR_RETURN(Tensor xs, Operand(x, kOperand));
-  SMAT_ASSIGN_OR_RETURN(Tensor ws, Operand(w.value, kWeight));
+  SMAT_ASSIGN_OR_RETURN(Tensor ws, WeightOperand(w));
   if (bias == nullptr) {
     return Annotate(be.Gemm(Transpose::kNo, Transpose::kYes, 1.f, xs, ws, 0.f, y), "linear ",
                     w.name);
@@ -77,7 +96,7 @@ absl::Status Dense::Backward(const Tensor& x, const Tensor& dy, Parameter& w, Pa
                                   "bias backward ", bias->name));
   }
   if (dx != nullptr) {
-    SMAT_ASSIGN_OR_RETURN(Tensor ws, Operand(w.value, kWeight));
+    SMAT_ASSIGN_OR_RETURN(Tensor ws, WeightOperand(w));
     SMAT_RETURN_IF_ERROR(Annotate(be.Gemm(Transpose::kNo, Transpose::kNo, 1.f, dys, ws,
                                           accumulate_dx ? 1.f : 0.f, *dx),
                                   "linear backward ", w.name));

@@ -9,7 +9,10 @@
 // accumulation into an fp32 output (Backend::Gemm's bf16 path), forward and
 // backward (dy is cast too); weights, gradients and outputs stay fp32. An
 // operand that already is bf16 (the SMat output with bf16 features, an input
-// the caller cast once for several products) is used as it is.
+// the caller cast once for several products, an activation a model kernel
+// wrote in bf16 because only products read it: NewOperand) is used as it is.
+// A weight is cast once per model forward (BeginForward), not once per
+// product: its bf16 copy serves the forward's products and the backward's.
 //
 //   Dense dense(backend, kernels, /*bf16=*/cfg.run().bf16());
 //   SMAT_ASSIGN_OR_RETURN(Tensor y, NewActivation(backend, {N, out}));
@@ -19,6 +22,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,7 +50,19 @@ class Dense {
 
   bool bf16() const { return bf16_; }
 
+  // An uninitialised [shape] tensor for an activation that only products
+  // read: bf16 with bf16 on (the model kernel that produces it writes bf16,
+  // which is what Operand would have cast it to), else fp32.
+  absl::StatusOr<Tensor> NewOperand(Shape shape);
+
+  // Starts a model forward: the weights may have changed since the last one
+  // (an optimizer step), so their bf16 copies are cast again on first use.
+  // Until the next call, the weights must not change.
+  void BeginForward() { ++generation_; }
+
   // y [N, out] = x [N, in] @ w [out, in]^T + bias [out] (bias may be null).
+  // y fp32, or with bf16 on and no bias bf16 (NewOperand: the product rounded
+  // once on the way out, for an output only bf16 readers use).
   absl::Status Forward(const Tensor& x, const Parameter& w, const Parameter* bias, Tensor& y);
 
   // Backward of Forward for upstream gradient dy [N, out]: w.grad += dy^T x,
@@ -64,12 +80,23 @@ class Dense {
  private:
   // A [n] ones vector (the bias broadcast and reduction), kept between calls.
   absl::StatusOr<Tensor> Ones(int64_t n);
+  // The operand for the weight w: Operand(w.value, kWeight) before any
+  // BeginForward, else w's bf16 copy, cast at its first use since the last
+  // BeginForward.
+  absl::StatusOr<Tensor> WeightOperand(const Parameter& w);
+
+  struct CachedWeight {
+    Tensor value;             // bf16, w.value's shape
+    uint64_t generation = 0;  // the BeginForward it was cast in
+  };
 
   Backend* backend_;
   ModelKernels* kernels_;
   bool bf16_;
   std::array<Tensor, kNumSlots> scratch_;  // bf16, grown on demand
   Tensor ones_;
+  uint64_t generation_ = 0;  // BeginForward calls
+  std::map<const Parameter*, CachedWeight> weights_;
 };
 
 }  // namespace smat

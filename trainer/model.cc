@@ -47,6 +47,9 @@ struct BlockParameters {
 
 // What one block keeps for its backward (N = batch L rows of this span).
 struct BlockActivations {
+  // n1, n2 and act are read only by matrix products, gate and up only by
+  // SwiGLU: bf16 with run.bf16 (Dense::NewOperand), written so by the kernels
+  // and products that produce them.
   Tensor x;            // [N, W] block input (kept when recomputing too)
   Tensor n1, rstd1;    // [N, W], [N]
   MixerActivations mixer;
@@ -150,7 +153,7 @@ absl::Status Model::Impl::BlockForward(Backend& be, size_t l, const Tensor& x,
   const BlockParameters& p = blocks[l];
   const int64_t N = x.dim(0), W = x.dim(1), F = p.w_gate->value.dim(0);
   a->x = x;
-  SMAT_ASSIGN_OR_RETURN(a->n1, NewActivation(be, {N, W}));
+  SMAT_ASSIGN_OR_RETURN(a->n1, dense->NewOperand({N, W}));
   SMAT_ASSIGN_OR_RETURN(a->rstd1, NewActivation(be, {N}));
   SMAT_RETURN_IF_ERROR(kernels->RmsNormForward(x, p.norm1->value, kNormEps, a->n1, a->rstd1));
   Tensor mixed;  // [N, W]
@@ -162,13 +165,15 @@ absl::Status Model::Impl::BlockForward(Backend& be, size_t l, const Tensor& x,
   PhaseScope phase(be, "fwd.mlp");
   SMAT_RETURN_IF_ERROR(kernels->ResidualAdd(x, mixed, mixed));
   a->x_mid = mixed;
-  SMAT_ASSIGN_OR_RETURN(a->n2, NewActivation(be, {N, W}));
+  SMAT_ASSIGN_OR_RETURN(a->n2, dense->NewOperand({N, W}));
   SMAT_ASSIGN_OR_RETURN(a->rstd2, NewActivation(be, {N}));
   SMAT_RETURN_IF_ERROR(
       kernels->RmsNormForward(a->x_mid, p.norm2->value, kNormEps, a->n2, a->rstd2));
-  SMAT_ASSIGN_OR_RETURN(a->gate, NewActivation(be, {N, F}));
-  SMAT_ASSIGN_OR_RETURN(a->up, NewActivation(be, {N, F}));
-  SMAT_ASSIGN_OR_RETURN(a->act, NewActivation(be, {N, F}));
+  // gate and up are read only by SwiGLU (forward and backward), which reads
+  // bf16: with run.bf16 the products write them in bf16.
+  SMAT_ASSIGN_OR_RETURN(a->gate, dense->NewOperand({N, F}));
+  SMAT_ASSIGN_OR_RETURN(a->up, dense->NewOperand({N, F}));
+  SMAT_ASSIGN_OR_RETURN(a->act, dense->NewOperand({N, F}));
   SMAT_ASSIGN_OR_RETURN(const Tensor n2s, dense->Operand(a->n2, Dense::kInput));
   SMAT_RETURN_IF_ERROR(dense->Forward(n2s, *p.w_gate, nullptr, a->gate));
   SMAT_RETURN_IF_ERROR(dense->Forward(n2s, *p.w_up, nullptr, a->up));
@@ -186,8 +191,9 @@ absl::Status Model::Impl::BlockBackward(Backend& be, size_t l, const BlockActiva
   std::optional<PhaseScope> phase(std::in_place, be, "bwd.mlp");
   SMAT_ASSIGN_OR_RETURN(Tensor d_act, NewActivation(be, {N, F}));
   SMAT_RETURN_IF_ERROR(dense->Backward(a.act, dy, *p.w_down, nullptr, &d_act, false));
-  SMAT_ASSIGN_OR_RETURN(Tensor d_gate, NewActivation(be, {N, F}));
-  SMAT_ASSIGN_OR_RETURN(Tensor d_up, NewActivation(be, {N, F}));
+  // d_gate and d_up are read only by the products below: bf16 with run.bf16.
+  SMAT_ASSIGN_OR_RETURN(Tensor d_gate, dense->NewOperand({N, F}));
+  SMAT_ASSIGN_OR_RETURN(Tensor d_up, dense->NewOperand({N, F}));
   SMAT_RETURN_IF_ERROR(kernels->SwiGluBackward(a.gate, a.up, d_act, d_gate, d_up));
   SMAT_ASSIGN_OR_RETURN(Tensor d_n2, NewActivation(be, {N, W}));
   SMAT_ASSIGN_OR_RETURN(const Tensor n2s, dense->Operand(a.n2, Dense::kInput));
@@ -407,6 +413,7 @@ absl::StatusOr<LossParts> Model::Forward(Communicator& sequence, const ModelInpu
   }
   SMAT_RETURN_IF_ERROR(ValidateSpans(plan, spans, sequence.size()));
 
+  im.dense->BeginForward();  // the weights may have changed since the last forward
   im.step = MixerStep();
   im.step.comm = &sequence;
   im.step.plan = &plan;

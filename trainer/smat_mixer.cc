@@ -3,6 +3,7 @@
 #include "trainer/smat_mixer.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/rng.h"
@@ -112,9 +113,11 @@ absl::Status SmatMixer::FeaturesBackward(const Tensor& x, const Tensor& y, const
 
 absl::StatusOr<Tensor> SmatMixer::SmatOperand(const Tensor& t) {
   if (!dense_->bf16()) return t;
-  SMAT_ASSIGN_OR_RETURN(Tensor t16,
-                        Tensor::Empty(t.shape(), DType::kBF16, backend_->allocator()));
-  SMAT_RETURN_IF_ERROR(kernels_->Cast(t, t16));
+  Tensor t16 = t;  // written in bf16 by its kernel already, or cast here
+  if (t.dtype() != DType::kBF16) {
+    SMAT_ASSIGN_OR_RETURN(t16, Tensor::Empty(t.shape(), DType::kBF16, backend_->allocator()));
+    SMAT_RETURN_IF_ERROR(kernels_->Cast(t, t16));
+  }
   // The CUDA SMat kernels read bf16 features; the CPU ones are fp32, so there
   // they get the same bf16-rounded values in fp32 (the rounding, not the
   // storage, is what the precision changes).
@@ -136,9 +139,12 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   SMAT_ASSIGN_OR_RETURN(a->v_proj, NewActivation(be, {N, Cv}));
   // One bf16 cast of x (run.bf16) serves the five products that read it.
   SMAT_ASSIGN_OR_RETURN(const Tensor xs, dense_->Operand(x, Dense::kInput));
-  SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wq, nullptr, a->q_proj));
-  SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wk, nullptr, a->k_proj));
-  SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wv, nullptr, a->v_proj));
+  {
+    PhaseScope phase(be, "fwd.mixer.qkv");
+    SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wq, nullptr, a->q_proj));
+    SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wk, nullptr, a->k_proj));
+    SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wv, nullptr, a->v_proj));
+  }
 
   if (p_.conv_q != nullptr) {
     // The conv reads 3 rows before the span: one halo exchange for q, k, v.
@@ -152,7 +158,9 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
     a->v_prefix = prefix[2];
     SMAT_ASSIGN_OR_RETURN(a->q_in, NewActivation(be, {N, Cq}));
     SMAT_ASSIGN_OR_RETURN(a->k_in, NewActivation(be, {N, Cq}));
-    SMAT_ASSIGN_OR_RETURN(a->v, NewActivation(be, {N, Cv}));
+    // v is read only by the SMat op (the conv's backward reads v_proj): in
+    // the op's dtype.
+    SMAT_ASSIGN_OR_RETURN(a->v, dense_->NewOperand({N, Cv}));
     Tensor qy = a->q_in.View(0, {nb, L, Cq}), ky = a->k_in.View(0, {nb, L, Cq}),
            vy = a->v.View(0, {nb, L, Cv});
     SMAT_RETURN_IF_ERROR(kernels_->ShortConvForward(proj[0], prefix[0], p_.conv_q->value, qy));
@@ -164,8 +172,14 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
     a->v = a->v_proj;
   }
 
-  SMAT_ASSIGN_OR_RETURN(a->phi, NewActivation(be, {N, Cq}));
-  SMAT_ASSIGN_OR_RETURN(a->psi_raw, NewActivation(be, {N, Cq}));
+  // The features are read only by the SMat op unless a backward needs them
+  // (EXP's reads y; the key gate's reads psi_raw): then fp32, else written in
+  // the op's dtype.
+  const bool y_free = features_ != ModelConfig::EXP;
+  SMAT_ASSIGN_OR_RETURN(a->phi, y_free ? dense_->NewOperand({N, Cq}) : NewActivation(be, {N, Cq}));
+  SMAT_ASSIGN_OR_RETURN(a->psi_raw, y_free && p_.w_key_gate == nullptr
+                                        ? dense_->NewOperand({N, Cq})
+                                        : NewActivation(be, {N, Cq}));
   SMAT_RETURN_IF_ERROR(Features(a->q_in, a->phi));
   SMAT_RETURN_IF_ERROR(Features(a->k_in, a->psi_raw));
   if (p_.w_key_gate != nullptr) {
@@ -268,6 +282,7 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
     SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_gate, *p_.w_key_gate, p_.b_key_gate, dx, true));
     d_psi_raw = d_raw.View(0, {N, Cq});
   }
+  std::optional<PhaseScope> phase(std::in_place, be, "bwd.mixer.features_conv");
   // Gradients of the feature-map inputs (conv outputs or projections).
   SMAT_ASSIGN_OR_RETURN(Tensor d_q_in, NewActivation(be, {N, Cq}));
   SMAT_ASSIGN_OR_RETURN(Tensor d_k_in, NewActivation(be, {N, Cq}));
@@ -277,9 +292,14 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
 
   Tensor d_q = d_q_in, d_k = d_k_in, d_v = d_v_in;  // gradients of the projections
   if (p_.conv_q != nullptr) {
-    SMAT_ASSIGN_OR_RETURN(d_q, NewActivation(be, {N, Cq}));
-    SMAT_ASSIGN_OR_RETURN(d_k, NewActivation(be, {N, Cq}));
-    SMAT_ASSIGN_OR_RETURN(d_v, NewActivation(be, {N, Cv}));
+    // On one rank only the products below read them: in their dtype. Across
+    // ranks the halo's gradients are added into them (fp32).
+    auto grad = [&](int64_t C) {
+      return step.comm->size() == 1 ? dense_->NewOperand({N, C}) : NewActivation(be, {N, C});
+    };
+    SMAT_ASSIGN_OR_RETURN(d_q, grad(Cq));
+    SMAT_ASSIGN_OR_RETURN(d_k, grad(Cq));
+    SMAT_ASSIGN_OR_RETURN(d_v, grad(Cv));
     std::vector<Tensor> d_proj = {d_q.View(0, {nb, L, Cq}), d_k.View(0, {nb, L, Cq}),
                                   d_v.View(0, {nb, L, Cv})};
     std::vector<Tensor> d_prefix(3);
@@ -297,6 +317,7 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
     SMAT_RETURN_IF_ERROR(
         ReturnConvPrefixGradients(be, *step.comm, step.spans, d_prefix, d_proj));
   }
+  phase.emplace(be, "bwd.mixer.qkv");
   SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_q, *p_.wq, nullptr, dx, true));
   SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_k, *p_.wk, nullptr, dx, true));
   return dense_->Backward(xs, d_v, *p_.wv, nullptr, dx, true);

@@ -71,6 +71,9 @@ struct MixerActivations {
   Tensor q_proj, k_proj, v_proj;        // [N, H r], [N, H r], [N, H dv] projections
   Tensor q_prefix, k_prefix, v_prefix;  // [batch, K-1, C] rows before the span (short_conv)
   Tensor q_in, k_in;                    // [N, H r] feature-map inputs (conv outputs or projections)
+  // With run.bf16, v (a conv output) and the features the backward does not
+  // read (all but EXP's; psi_raw unless key_gate) are written in bf16: what
+  // the SMat op reads.
   Tensor v;                             // [N, H dv] values (conv output or projection)
   Tensor phi, psi_raw, psi;             // [N, H r] features; psi = psi_raw * key gate
   Tensor key_gate;                      // [N, H] pre-sigmoid key gate (key_gate)
@@ -108,7 +111,8 @@ class SmatMixer {
             ModelConfig::FeatureMap features, int64_t heads, int64_t r, int64_t dv, float eps)
       : backend_(&backend), kernels_(&kernels), dense_(&dense), p_(params), features_(features),
         H_(heads), r_(r), dv_(dv), eps_(eps) {}
-  // What the SMat op reads for the fp32 features t (see smat_phi above).
+  // What the SMat op reads for the features t, fp32 or already bf16 (see
+  // smat_phi above).
   absl::StatusOr<Tensor> SmatOperand(const Tensor& t);
   // y = f(x) and dx = f'(x) dy for the configured feature map; x, y, dx [N, H r].
   absl::Status Features(const Tensor& x, Tensor& y);

@@ -21,6 +21,7 @@
 #include "parallel/sequence_parallel_smat.h"
 #include "tests/trainer/model_test_util.h"
 #include "tests/trainer/single_rank_communicator.h"
+#include "trainer/layers.h"
 #include "trainer/smat_mixer.h"
 
 namespace smat {
@@ -413,6 +414,50 @@ TEST(ModelTest, ShippedGpuConfigsValidate) {
   }
   EXPECT_FALSE(LoadConfig(dir + "lm_16k_gpu.textproto", {"model.heads=5"}).ok());
   EXPECT_FALSE(LoadConfig(dir + "lm_1m_gpu.textproto", {"smat.d=0"}).ok());
+}
+
+}  // namespace
+}  // namespace smat
+
+namespace smat {
+namespace {
+
+// Dense with bf16 on casts each weight once per BeginForward: a second product
+// with the weight reuses that cast, a changed weight is cast again at the next
+// BeginForward, and the results equal those of the per-call cast (no
+// BeginForward yet) bit for bit.
+TEST(DenseTest, Bf16WeightsAreCastOncePerForward) {
+  CpuBackend cpu;
+  ModelKernels* mk = *cpu.model();
+  const int64_t N = 7, in = 11, out = 5;
+  Tensor x = *Tensor::Empty({N, in}, DType::kF32);
+  ASSERT_TRUE(FillNormal(x, 3, 0, 0.f, 1.f, 0).ok());
+  Parameter w;
+  w.name = "w";
+  w.value = *Tensor::Empty({out, in}, DType::kF32);
+  ASSERT_TRUE(FillNormal(w.value, 3, 0, 0.f, 1.f, 1).ok());
+  w.grad = *Tensor::Zeros({out, in}, DType::kF32);
+  auto product = [&](Dense& d) {
+    Tensor y = *Tensor::Empty({N, out}, DType::kF32);
+    EXPECT_TRUE(d.Forward(x, w, nullptr, y).ok());
+    return std::vector<float>(y.data<float>(), y.data<float>() + y.numel());
+  };
+  Dense per_call(cpu, *mk, /*bf16=*/true), cached(cpu, *mk, /*bf16=*/true);
+  const std::vector<float> before = product(per_call);
+  cached.BeginForward();
+  EXPECT_EQ(product(cached), before);
+  // Within one forward the weight must not change; if it does, the cast of
+  // this forward is what the products read.
+  for (int64_t i = 0; i < w.value.numel(); ++i) w.value.data<float>()[i] *= 2.f;
+  EXPECT_EQ(product(cached), before);
+  cached.BeginForward();
+  const std::vector<float> after = product(per_call);
+  EXPECT_NE(after, before);
+  EXPECT_EQ(product(cached), after);
+  // NewOperand: bf16 with bf16 on, fp32 otherwise.
+  EXPECT_EQ(cached.NewOperand({2, 3})->dtype(), DType::kBF16);
+  Dense fp32(cpu, *mk, /*bf16=*/false);
+  EXPECT_EQ(fp32.NewOperand({2, 3})->dtype(), DType::kF32);
 }
 
 }  // namespace
