@@ -79,8 +79,9 @@ struct MixerActivations {
   Tensor key_gate;                      // [N, H] pre-sigmoid key gate (key_gate)
   Tensor decay_in, logg;                // [N, H] pre-softplus decay, log-gate (gated)
   // The SMat op's phi, psi, v [N, H r | H dv]: phi, psi, v themselves in fp32;
-  // with run.bf16 their bf16 casts (CUDA), or on the CPU, whose SMat kernels are
-  // fp32, the same bf16-rounded values widened back to fp32.
+  // with run.bf16 on CUDA the bf16 tensors themselves (written in bf16 above)
+  // or their bf16 casts, and on the CPU, whose SMat kernels are fp32, the same
+  // bf16-rounded values widened back to fp32.
   Tensor smat_phi, smat_psi, smat_v;
   // o [batch, L, H, dv] and the op's saved state (a one-rank group: the
   // single-device op's, in saved.local)
