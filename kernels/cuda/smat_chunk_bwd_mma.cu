@@ -156,56 +156,110 @@ __device__ __forceinline__ void Mma3x3(float (&hi)[4], float (&lo)[4], const uin
   Mma(hi, a[0], b[0][0], b[0][1]);
 }
 
-// What every warp of a block shares.
+// The block's shared memory: bf16 tiles, then the fp32 per-token arrays.
+__device__ __forceinline__ __nv_bfloat16* SmemTiles() {
+  extern __shared__ float4 smem4[];
+  return reinterpret_cast<__nv_bfloat16*>(smem4);
+}
+__device__ __forceinline__ float* SmemTokens() {
+  return reinterpret_cast<float*>(SmemTiles() + kTiles * kTile);
+}
+
+// What every warp of a block shares. The per-token arrays are at fixed
+// shared-memory offsets (no registers): gcol = gbar[:, dv], lam, wq = exp(lam),
+// wk = w_s, [kC] each.
 struct Block {
-  uint32_t tiles;  // shared address of tile 0
-  const float* gcol;
-  const float* lam;
-  const float* wq;
-  const float* wk;
+  __device__ const float* gcol() const { return SmemTokens(); }
+  __device__ const float* lam() const { return SmemTokens() + kC; }
+  __device__ const float* wq() const { return SmemTokens() + 2 * kC; }
+  __device__ const float* wk() const { return SmemTokens() + 3 * kC; }
   int ce, nb, r, dv, p, kd, kr;
+  bool pairs_r, pairs_v;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
   int lane, g, tq;
   // Per-lane element offsets of the ldmatrix row addresses: A (rows m, k
   // contiguous), B from rows n with k contiguous, B from rows k (.trans).
   int off_a, off_bn, off_bt;
   __device__ uint32_t Addr(int tile, int row, int col, int off) const {
-    return tiles + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
+    return SmemAddr(SmemTiles()) + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
   }
 };
 
 // B fragments (3 parts) of an 8-column n-tile, element (k, n) = M[k * sk + n * sn]
 // for k < kmax, n < nmax (0 elsewhere); k0 the tile's first k, n the lane's
-// column.
+// column. Loads use clamped indices and are unconditional, so they issue
+// together (no branch per element); the select zeroes what lies outside.
 __device__ __forceinline__ void LoadSplitB(const float* M, int sk, int sn, int k0, int n,
                                            int kmax, int nmax, int tq, uint32_t (&b)[3][2]) {
   float x[4];
+  const int nc = min(n, nmax - 1);
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
     const int k = k0 + 2 * tq + (u & 1) + 8 * (u >> 1);
-    x[u] = k < kmax && n < nmax ? __ldg(&M[k * sk + n * sn]) : 0.f;
+    const float y = __ldg(&M[min(k, kmax - 1) * sk + nc * sn]);
+    x[u] = k < kmax && n < nmax ? y : 0.f;
   }
   Split3(x[0], x[1], b[0][0], b[1][0], b[2][0]);
   Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
 }
 
-// Adds hi + lo of a 16 x 64 (kNt n-tiles) accumulator into out rows m0 + ...
+// out rows m0 + (16 rows), columns n0 + (8 kNt) += hi + lo, for rows < ce
+// and columns < width. Every old value the thread adds to is loaded before the
+// first store of its row (two memory latencies per job, not one per element); pairs: width
+// is even and out 8-byte aligned, so each (n, n + 1) moves as one float2.
 template <int kNt>
 __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int m0, int n0, int width,
-                                          const float (&hi)[kNt][4], const float (&lo)[kNt][4],
+                                          int64_t c0, int m0, int n0, int width, bool pairs,
+                                          float (&hi)[kNt][4], const float (&lo)[kNt][4],
                                           float* __restrict__ out) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hi[nt][e] += lo[nt][e];
+  float* o[2];
+  bool row_ok[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int m = m0 + bk.g + 8 * hr;
-    if (m >= bk.ce) continue;
-    float* o = out + TokenRow(d, b, c0 + m, h) * width;
+    row_ok[hr] = m < bk.ce;
+    o[hr] = out + TokenRow(d, b, c0 + (row_ok[hr] ? m : 0), h) * width;
+  }
+  // One row at a time: kNt x 2 old values live, not all four per n-tile.
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
+  for (int hr = 0; hr < 2; ++hr) {
+    float old[kNt][2];
+    if (pairs) {
 #pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        const int n = n0 + 8 * nt + 2 * bk.tq + e1, e = 2 * hr + e1;
-        if (n < width) o[n] += hi[nt][e] + lo[nt][e];
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int n = n0 + 8 * nt + 2 * bk.tq;
+        float2 x = make_float2(0.f, 0.f);
+        if (row_ok[hr] && n < width) x = *reinterpret_cast<const float2*>(o[hr] + n);
+        old[nt][0] = x.x;
+        old[nt][1] = x.y;
       }
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int n = n0 + 8 * nt + 2 * bk.tq;
+        if (row_ok[hr] && n < width) {
+          *reinterpret_cast<float2*>(o[hr] + n) =
+              make_float2(old[nt][0] + hi[nt][2 * hr], old[nt][1] + hi[nt][2 * hr + 1]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int n = n0 + 8 * nt + 2 * bk.tq + e1;
+          old[nt][e1] = row_ok[hr] && n < width ? o[hr][n] : 0.f;
+        }
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int n = n0 + 8 * nt + 2 * bk.tq + e1;
+          if (row_ok[hr] && n < width) o[hr][n] = old[nt][e1] + hi[nt][2 * hr + e1];
+        }
+    }
   }
 }
 
@@ -219,8 +273,8 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
   float gc[2], lt[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    gc[hr] = bk.gcol[16 * i + g + 8 * hr];
-    lt[hr] = bk.lam[16 * i + g + 8 * hr];
+    gc[hr] = bk.gcol()[16 * i + g + 8 * hr];
+    lt[hr] = bk.lam()[16 * i + g + 8 * hr];
   }
   // Side: sum_{k < dv} gbar[t][k] S[n][k] + gbar[t][dv] S[n][dv], in two
   // halves of 32 columns.
@@ -253,7 +307,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
         const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * i + g + 8 * (e >> 1);
         const float sdv = n < r ? __ldg(&S[n * p + dv]) : 0.f;
         const float side = fmaf(gc[e >> 1], sdv, sh[nt][e] + sl[nt][e]);
-        hi[4 * nh + nt][e] = kGated ? bk.wq[row] * side : side;
+        hi[4 * nh + nt][e] = kGated ? bk.wq()[row] * side : side;
         lo[4 * nh + nt][e] = 0.f;
       }
   }
@@ -281,7 +335,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
       for (int e = 0; e < 4; ++e) {
         const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
         float x = (sc[nt][e] + scl[nt][e]) + gc[e >> 1];
-        if (kGated) x *= expf(lt[e >> 1] - bk.lam[s]);
+        if (kGated) x *= expf(lt[e >> 1] - bk.lam()[s]);
         sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
       }
     uint32_t xa[3][4];
@@ -296,7 +350,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
         Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  StoreRows<8>(bk, d, b, h, c0, 16 * i, 0, r, hi, lo, phi_bar);
+  StoreRows<8>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r, hi, lo, phi_bar);
 }
 
 // psi_bar rows s of block j: side w_s D_bar vbar_s, then the causal sum.
@@ -308,7 +362,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
   float hi[8][4], lo[8][4];
   float ls[2];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam[16 * j + g + 8 * hr];
+  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam()[16 * j + g + 8 * hr];
   // Side: sum_{k < dv} D[n][k] v_s[k] + D[n][dv], in two halves of 32 columns.
 #pragma unroll
   for (int nh = 0; nh < 2; ++nh) {
@@ -338,7 +392,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
         const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * j + g + 8 * (e >> 1);
         const float ddv = n < r ? __ldg(&D[n * p + dv]) : 0.f;
         const float side = (sh[nt][e] + sl[nt][e]) + ddv;
-        hi[4 * nh + nt][e] = kGated ? bk.wk[row] * side : side;
+        hi[4 * nh + nt][e] = kGated ? bk.wk()[row] * side : side;
         lo[4 * nh + nt][e] = 0.f;
       }
   }
@@ -370,8 +424,8 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
-        float x = (sc[nt][e] + scl[nt][e]) + bk.gcol[t];
-        if (kGated) x *= expf(bk.lam[t] - ls[e >> 1]);
+        float x = (sc[nt][e] + scl[nt][e]) + bk.gcol()[t];
+        if (kGated) x *= expf(bk.lam()[t] - ls[e >> 1]);
         sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
       }
     uint32_t xa[3][4];
@@ -386,7 +440,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
         Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  StoreRows<8>(bk, d, b, h, c0, 16 * j, 0, r, hi, lo, psi_bar);
+  StoreRows<8>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r, hi, lo, psi_bar);
 }
 
 // v_bar rows s of block j, columns [32 hf, 32 hf + 32): side w_s D_bar^T psi_s,
@@ -400,7 +454,7 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
   float hi[4][4], lo[4][4];
   float ls[2];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam[16 * j + g + 8 * hr];
+  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam()[16 * j + g + 8 * hr];
   {
     float sh[4][4], sl[4][4];
 #pragma unroll
@@ -425,7 +479,7 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       for (int e = 0; e < 4; ++e) {
         const int row = 16 * j + g + 8 * (e >> 1);
         const float side = sh[nt][e] + sl[nt][e];
-        hi[nt][e] = kGated ? bk.wk[row] * side : side;
+        hi[nt][e] = kGated ? bk.wk()[row] * side : side;
         lo[nt][e] = 0.f;
       }
   }
@@ -451,7 +505,7 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       for (int e = 0; e < 4; ++e) {
         const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
         float x = sc[nt][e];
-        if (kGated) x *= expf(bk.lam[t] - ls[e >> 1]);
+        if (kGated) x *= expf(bk.lam()[t] - ls[e >> 1]);
         sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
       }
     uint32_t xa[3][4];
@@ -471,7 +525,7 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       }
     }
   }
-  StoreRows<4>(bk, d, b, h, c0, 16 * j, n0, dv, hi, lo, v_bar);
+  StoreRows<4>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v, hi, lo, v_bar);
 }
 
 // dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
@@ -495,7 +549,8 @@ __device__ __forceinline__ void StageRows(const __nv_bfloat16* src, int64_t stri
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        x[u] = t < ce && n < width ? src[t * stride + n] : __float2bfloat16_rn(0.f);
+        const __nv_bfloat16 y = src[min(t, ce - 1) * stride + min(n, width - 1)];
+        x[u] = t < ce && n < width ? y : __float2bfloat16_rn(0.f);
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -509,16 +564,16 @@ __device__ __forceinline__ void StageRows(const __nv_bfloat16* src, int64_t stri
 // grid (Lc, batch * H), kThreads threads, kSmemBytes of shared memory.
 template <bool kGated>
 __global__ void __launch_bounds__(kThreads, 2)
-    ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, const __nv_bfloat16* __restrict__ phi,
+    ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, bool pairs_r, bool pairs_v,
+                             const __nv_bfloat16* __restrict__ phi,
                              const __nv_bfloat16* __restrict__ psi,
                              const __nv_bfloat16* __restrict__ v, const float* __restrict__ lam,
                              const float* __restrict__ cd, const float* __restrict__ S_in,
                              const float* __restrict__ gbar, const float* __restrict__ D_bar,
                              float* __restrict__ phi_bar, float* __restrict__ psi_bar,
                              float* __restrict__ v_bar) {
-  extern __shared__ float4 smem4[];
-  __nv_bfloat16* tiles = reinterpret_cast<__nv_bfloat16*>(smem4);
-  float* gcol = reinterpret_cast<float*>(tiles + kTiles * kTile);
+  __nv_bfloat16* tiles = SmemTiles();
+  float* gcol = SmemTokens();
   float* lam_s = gcol + kC;
   float* wq = lam_s + kC;
   float* wk = wq + kC;
@@ -537,16 +592,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   StageRows(psi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in, tiles + kPsi * kTile);
   StageRows(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce, vec_in, tiles + kV * kTile);
   {
-    // gbar[:, 0:dv] in three parts; gcol = gbar[:, dv].
+    // gbar[:, 0:dv] in three parts; gcol = gbar[:, dv]. All 32 loads of a
+    // thread issue before the first use (clamped indices, no branches).
     const float* tg = gbar + tok * p;
     const int64_t sg = static_cast<int64_t>(d.H) * p;
-    constexpr int kBatch = 8;
+    constexpr int kBatch = 16;
     for (int e0 = tid; e0 < kC * kW; e0 += kThreads * kBatch) {
       float x[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        x[u] = t < ce && n < dv ? __ldg(&tg[t * sg + n]) : 0.f;
+        const float y = __ldg(&tg[min(t, ce - 1) * sg + min(n, dv - 1)]);
+        x[u] = t < ce && n < dv ? y : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -572,11 +629,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
 
   Block bk;
-  bk.tiles = SmemAddr(tiles);
-  bk.gcol = gcol;
-  bk.lam = lam_s;
-  bk.wq = wq;
-  bk.wk = wk;
   bk.ce = ce;
   bk.nb = (ce + 15) >> 4;
   bk.r = r;
@@ -584,6 +636,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   bk.p = p;
   bk.kd = (dv + 15) >> 4;
   bk.kr = (r + 15) >> 4;
+  bk.pairs_r = pairs_r;
+  bk.pairs_v = pairs_v;
   bk.lane = tid & 31;
   bk.g = bk.lane >> 2;
   bk.tq = bk.lane & 3;
@@ -617,9 +671,12 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
   if (err != cudaSuccess) return err;
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
+  auto aligned8 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 7) == 0; };
+  const bool pairs_r = d.r % 2 == 0 && aligned8(phi_bar) && aligned8(psi_bar);
+  const bool pairs_v = d.dv % 2 == 0 && aligned8(v_bar);
   const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-      d, vec, static_cast<const __nv_bfloat16*>(phi), static_cast<const __nv_bfloat16*>(psi),
+      d, vec, pairs_r, pairs_v, static_cast<const __nv_bfloat16*>(phi), static_cast<const __nv_bfloat16*>(psi),
       static_cast<const __nv_bfloat16*>(v), lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar,
       v_bar);
   return cudaGetLastError();
