@@ -19,7 +19,7 @@
 // zero beyond the chunk's tokens and widths. The ones column of vbar never
 // enters a product: its terms are fp32 additions (gbar[t][dv] in every score
 // G[t, s], D_bar[:, dv] in the key side, gbar[t][dv] S_in[:, dv] in the query
-// side). 110 KB of shared memory and <= 128 registers: two blocks per SM, so
+// side). 111 KB of shared memory and <= 128 registers: two blocks per SM, so
 // one block's staging overlaps the other's products.
 //
 // Products: mma.sync m16n8k16 bf16 with fp32 accumulation. Each warp owns
@@ -62,10 +62,11 @@ constexpr int kW = 64;              // widest r or dv
 constexpr int kLd = 72;             // bf16 row pitch of every staged tile
 constexpr int kTile = kC * kLd;     // bf16 elements of one staged tile
 // Shared memory: phi, psi, v, gbar parts 1, 2, 3 (bf16 [kC][kLd] each), then
-// fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s.
+// fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s, and [kW]
+// arrays S_in[:, dv], D_bar[:, dv].
 constexpr int kPhi = 0, kPsi = 1, kV = 2, kG = 3;  // tile indices
 constexpr int kTiles = 6;
-constexpr int kSmemBytes = kTiles * kTile * 2 + 4 * kC * 4;
+constexpr int kSmemBytes = kTiles * kTile * 2 + (4 * kC + 2 * kW) * 4;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -167,12 +168,15 @@ __device__ __forceinline__ float* SmemTokens() {
 
 // What every warp of a block shares. The per-token arrays are at fixed
 // shared-memory offsets (no registers): gcol = gbar[:, dv], lam, wq = exp(lam),
-// wk = w_s, [kC] each.
+// wk = w_s, [kC] each; then scol = S_in[:, dv] and dcol = D_bar[:, dv] ([kW],
+// 0 for rows >= r).
 struct Block {
   __device__ const float* gcol() const { return SmemTokens(); }
   __device__ const float* lam() const { return SmemTokens() + kC; }
   __device__ const float* wq() const { return SmemTokens() + 2 * kC; }
   __device__ const float* wk() const { return SmemTokens() + 3 * kC; }
+  __device__ const float* scol() const { return SmemTokens() + 4 * kC; }
+  __device__ const float* dcol() const { return SmemTokens() + 4 * kC + kW; }
   int ce, nb, r, dv, p, kd, kr;
   bool pairs_r, pairs_v;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
   int lane, g, tq;
@@ -184,13 +188,13 @@ struct Block {
   }
 };
 
-// B fragments (3 parts) of an 8-column n-tile, element (k, n) = M[k * sk + n * sn]
-// for k < kmax, n < nmax (0 elsewhere); k0 the tile's first k, n the lane's
-// column. Loads use clamped indices and are unconditional, so they issue
-// together (no branch per element); the select zeroes what lies outside.
-__device__ __forceinline__ void LoadSplitB(const float* M, int sk, int sn, int k0, int n,
-                                           int kmax, int nmax, int tq, uint32_t (&b)[3][2]) {
-  float x[4];
+// The fp32 elements of an 8-column n-tile's B fragment, element (k, n) =
+// M[k * sk + n * sn] for k < kmax, n < nmax (0 elsewhere); k0 the tile's first
+// k, n the lane's column. Loads use clamped indices and are unconditional, so
+// a caller's loads for several n-tiles issue together (no branch per element);
+// the select zeroes what lies outside.
+__device__ __forceinline__ void LoadB(const float* M, int sk, int sn, int k0, int n, int kmax,
+                                      int nmax, int tq, float (&x)[4]) {
   const int nc = min(n, nmax - 1);
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
@@ -198,6 +202,10 @@ __device__ __forceinline__ void LoadSplitB(const float* M, int sk, int sn, int k
     const float y = __ldg(&M[min(k, kmax - 1) * sk + nc * sn]);
     x[u] = k < kmax && n < nmax ? y : 0.f;
   }
+}
+
+// Their three bf16 parts, b[part][register].
+__device__ __forceinline__ void SplitB(const float (&x)[4], uint32_t (&b)[3][2]) {
   Split3(x[0], x[1], b[0][0], b[1][0], b[2][0]);
   Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
 }
@@ -292,10 +300,13 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
         uint32_t a[3][4];
 #pragma unroll
         for (int q = 0; q < 3; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
+        float x[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) LoadB(S, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, x[nt]);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           uint32_t bs[3][2];
-          LoadSplitB(S, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, bs);
+          SplitB(x[nt], bs);
           Mma3x3(sh[nt], sl[nt], a, bs);
         }
       }
@@ -305,7 +316,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * i + g + 8 * (e >> 1);
-        const float sdv = n < r ? __ldg(&S[n * p + dv]) : 0.f;
+        const float sdv = bk.scol()[n];
         const float side = fmaf(gc[e >> 1], sdv, sh[nt][e] + sl[nt][e]);
         hi[4 * nh + nt][e] = kGated ? bk.wq()[row] * side : side;
         lo[4 * nh + nt][e] = 0.f;
@@ -377,10 +388,13 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
         if (ks >= bk.kd) continue;
         uint32_t a[4];
         Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
+        float x[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) LoadB(D, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, x[nt]);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           uint32_t bd[3][2];
-          LoadSplitB(D, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, bd);
+          SplitB(x[nt], bd);
           Mma1x3(sh[nt], sl[nt], a, bd);
         }
       }
@@ -390,7 +404,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * j + g + 8 * (e >> 1);
-        const float ddv = n < r ? __ldg(&D[n * p + dv]) : 0.f;
+        const float ddv = bk.dcol()[n];
         const float side = (sh[nt][e] + sl[nt][e]) + ddv;
         hi[4 * nh + nt][e] = kGated ? bk.wk()[row] * side : side;
         lo[4 * nh + nt][e] = 0.f;
@@ -466,10 +480,13 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       if (ks >= bk.kr) continue;
       uint32_t a[4];
       Ldsm4(a, bk.Addr(kPsi, 16 * j, 16 * ks, bk.off_a));
+      float x[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) LoadB(D, p, 1, 16 * ks, n0 + 8 * nt + g, r, dv, tq, x[nt]);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         uint32_t bd[3][2];
-        LoadSplitB(D, p, 1, 16 * ks, n0 + 8 * nt + g, r, dv, tq, bd);
+        SplitB(x[nt], bd);
         Mma1x3(sh[nt], sl[nt], a, bd);
       }
     }
@@ -623,6 +640,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       lam_s[tid] = l;
       wq[tid] = kGated ? expf(l) : 1.f;
       wk[tid] = kGated ? expf(__ldg(&cd[crow]) - l) : 1.f;
+    }
+    if (tid < 2 * kW) {
+      const float* M = (tid < kW ? S_in : D_bar) + crow * static_cast<int64_t>(r) * p;
+      const int n = tid & (kW - 1);
+      wk[kC + tid] = n < r ? __ldg(&M[n * p + dv]) : 0.f;
     }
   }
   if (vec_in) CpAsyncWaitAll();
