@@ -322,7 +322,7 @@ cudaError_t LaunchSmatGroupedOuterSumFast(const SmatCudaDims& d, const SmatToken
                                           const SmatMatrixLayout& lay, float* out,
                                           cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (SmatUseMmaGrouped(d)) {
+  if (SmatUseMmaGrouped(d, /*reads=*/false)) {
     return LaunchSmatGroupedOuterSumMma(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
   }
   return d.bf16 ? LaunchOuter<__nv_bfloat16>(d, groups, segments, a, b, b_is_v, w, lay, out, stream)
@@ -335,7 +335,7 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& d, const SmatTokenGro
                                        const float* g, const SmatTokenWeights& w, float* out_p,
                                        float* out_r, float* out_v, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (SmatUseMmaGrouped(d)) {
+  if (SmatUseMmaGrouped(d, /*reads=*/true)) {
     return LaunchSmatGroupedReadsMma(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
                                      out_v, stream);
   }

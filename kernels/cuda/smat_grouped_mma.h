@@ -10,11 +10,12 @@
 
 namespace smat {
 
-// The sizes fit (c <= 128, r <= 64, p <= 72), the device has sm_80 tensor
-// cores and the shared memory, and SMAT_CUDA_GROUPED asks for them ("mma"; or
-// unset, where the default of smat_grouped_mma.cu applies; "ffma" keeps the
-// FFMA kernels of smat_grouped_fast.cu).
-bool SmatUseMmaGrouped(const SmatCudaDims& dims);
+// Whether the outer sums (reads = false) or the per-token reads (reads =
+// true) run here: the sizes fit (c <= 128, r <= 64, p <= 72), the device has
+// sm_80 tensor cores and the shared memory, and SMAT_CUDA_GROUPED asks for
+// them: "mma" both, "ffma" neither (the FFMA kernels of smat_grouped_fast.cu);
+// unset, the outer sums run here and the reads on FFMA (the faster of each).
+bool SmatUseMmaGrouped(const SmatCudaDims& dims, bool reads);
 
 // LaunchSmatGroupedOuterSum's contract (smat_cuda_kernels.h), on tensor cores.
 cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& dims, const SmatTokenGroups& groups,
