@@ -339,16 +339,26 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) Mma3x1(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
     }
-    // X[t, s] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce.
+    // X[t, s] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce; the mask
+    // only where the tile holds pairs outside (diagonal or last block).
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
+        const int s = 16 * j + 8 * nt + 2 * tq + (e & 1);
         float x = (sc[nt][e] + scl[nt][e]) + gc[e >> 1];
         if (kGated) x *= expf(lt[e >> 1] - bk.lam()[s]);
-        sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
+        sc[nt][e] = x;
       }
+    if (j == i || 16 * i + 16 > bk.ce) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
+          if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
+        }
+    }
     uint32_t xa[3][4];
     SplitTile(sc, xa);
 #pragma unroll
@@ -432,16 +442,26 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
         Mma1x3(sc[nt], scl[nt], a, bb);
       }
     }
-    // X^T[s, t] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce.
+    // X^T[s, t] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce (masked as
+    // in QueryRows).
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
+        const int t = 16 * i + 8 * nt + 2 * tq + (e & 1);
         float x = (sc[nt][e] + scl[nt][e]) + bk.gcol()[t];
         if (kGated) x *= expf(bk.lam()[t] - ls[e >> 1]);
-        sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
+        sc[nt][e] = x;
       }
+    if (j == i || 16 * i + 16 > bk.ce) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
+          if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
+        }
+    }
     uint32_t xa[3][4];
     SplitTile(sc, xa);
 #pragma unroll
@@ -515,16 +535,25 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) Mma(sc[nt], a, bp[2 * nt], bp[2 * nt + 1]);
     }
-    // X^T[s, t] = W[t, s] A[t, s] for s <= t < ce.
+    // X^T[s, t] = W[t, s] A[t, s] for s <= t < ce (masked as in QueryRows).
+    if (kGated) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
-        float x = sc[nt][e];
-        if (kGated) x *= expf(bk.lam()[t] - ls[e >> 1]);
-        sc[nt][e] = s <= t && t < bk.ce ? x : 0.f;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * i + 8 * nt + 2 * tq + (e & 1);
+          sc[nt][e] *= expf(bk.lam()[t] - ls[e >> 1]);
+        }
+    }
+    if (j == i || 16 * i + 16 > bk.ce) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
+          if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
+        }
+    }
     uint32_t xa[3][4];
     SplitTile(sc, xa);
 #pragma unroll
