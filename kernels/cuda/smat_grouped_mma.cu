@@ -41,11 +41,14 @@
 #include <type_traits>
 
 #include "kernels/cuda/smat_fast_tiles.cuh"
+#include "kernels/cuda/smat_mma.cuh"
 
 namespace smat {
 namespace {
 
 using cuda_detail::TokenRow;
+using mma_tiles::Mma;
+using mma_tiles::Pack;
 using fast_tiles::Aligned16;
 using fast_tiles::kBatch;
 using fast_tiles::LoadVec;
@@ -72,32 +75,14 @@ static_assert(kOffRows % 2 == 0, "token rows must be 8-byte aligned");
 constexpr bool kMmaOuterSumsByDefault = true;
 constexpr bool kMmaReadsByDefault = false;
 
-// Two fp32 values (lower k first) as one register of two bf16.
+// Two fp32 values (lower k first) as one register of two bf16 (exact when
+// they are bf16 values already).
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
+  return Pack(__floats2bfloat162_rn(lo, hi));
 }
 
-// x = x1 + x2 + x3, each part bf16 (x1 = bf16(x), x2 = bf16(x - x1), ...).
 __device__ __forceinline__ void Split3(float2 x, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
-  const float a1 = __bfloat162float(__float2bfloat16_rn(x.x));
-  const float b1 = __bfloat162float(__float2bfloat16_rn(x.y));
-  const float ar = x.x - a1, br = x.y - b1;  // exact
-  const float a2 = __bfloat162float(__float2bfloat16_rn(ar));
-  const float b2 = __bfloat162float(__float2bfloat16_rn(br));
-  p1 = PackBf16(a1, b1);
-  p2 = PackBf16(a2, b2);
-  p3 = PackBf16(ar - a2, br - b2);
-}
-
-// c += a b: m16n8k16, a row-major 16 x 16, b column-major 16 x 8.
-__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  mma_tiles::Split3(x.x, x.y, p1, p2, p3);
 }
 
 // dst[i][t] (ld kLd) = scale[t] * src(rows[t])[i] for i < width, t < nt
@@ -261,6 +246,10 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
   auto kernel = OuterSumMmaKernel<In, kBParts>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  // Two blocks per SM need the largest shared-memory carveout.
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
   constexpr int V = 16 / sizeof(In);
   const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && (!b_is_v || Aligned16(b));
@@ -481,6 +470,9 @@ cudaError_t LaunchReads(const SmatCudaDims& d, const SmatTokenGroups& groups, in
   auto kernel = ReadsMmaKernel<kRead, In>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadsSmemBytes);
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
   constexpr int V = 16 / sizeof(In);
   const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
