@@ -42,6 +42,9 @@ namespace smat {
 // 3.4: a width-4 token shift before the feature map).
 inline constexpr int64_t kShortConvWidth = 4;
 
+// The most outputs of a narrow linear layer (NarrowLinearForward).
+inline constexpr int64_t kNarrowLinearMaxOut = 16;
+
 class ModelKernels {
  public:
   virtual ~ModelKernels() = default;
@@ -72,8 +75,9 @@ class ModelKernels {
   // and up fp32 or bf16 (one dtype; bf16 read exactly), y fp32 or bf16.
   virtual absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y,
                                      Stream* stream = nullptr) = 0;
-  // d_gate, d_up overwritten from dy [N, F] (fp32). gate and up as the
-  // forward's; d_gate and d_up fp32 or bf16 (one dtype).
+  // d_gate, d_up overwritten from dy [N, F] (fp32 or bf16, read exactly: the
+  // product that writes it may round it once on the way out). gate and up as
+  // the forward's; d_gate and d_up fp32 or bf16 (one dtype).
   virtual absl::Status SwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
                                       Tensor& d_gate, Tensor& d_up, Stream* stream = nullptr) = 0;
 
@@ -140,6 +144,23 @@ class ModelKernels {
   virtual absl::Status ShortConvBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                          const Tensor& dy, Tensor& dx, Tensor& d_prefix,
                                          Tensor& d_w, Stream* stream = nullptr) = 0;
+
+  // --- narrow linear layer (the mixer's decay and key-gate projections, run.bf16) ------
+  // A product with a handful of outputs and a long row reduction in the
+  // backward, which general matrix-product kernels serve poorly.
+  // y [N, out] = x [N, in] w [out, in]^T + bias [out], summed in fp32.
+  // 1 <= out <= kNarrowLinearMaxOut; x and w fp32 or bf16 (each read exactly);
+  // bias fp32 [out] or undefined (none); y fp32 [N, out], not aliasing x.
+  virtual absl::Status NarrowLinearForward(const Tensor& x, const Tensor& w, const Tensor& bias,
+                                           Tensor& y, Stream* stream = nullptr) = 0;
+  // Backward of NarrowLinearForward for dy [N, out] (fp32):
+  // dx [N, in] fp32 = dy w (accumulate_dx: dx += dy w), d_w [out, in] += dy^T x
+  // and d_bias [out] += column sums of dy (d_bias undefined: none), the sums
+  // over rows in a fixed order. x and w as the forward's; dx may not alias
+  // x or dy.
+  virtual absl::Status NarrowLinearBackward(const Tensor& x, const Tensor& w, const Tensor& dy,
+                                            Tensor& dx, bool accumulate_dx, Tensor& d_w,
+                                            Tensor& d_bias, Stream* stream = nullptr) = 0;
 
   // --- fused, chunked cross-entropy ----------------------------------------------------
   // Loss of the LM head without a [N, V] logits tensor: tokens are processed in

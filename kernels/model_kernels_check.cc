@@ -306,7 +306,7 @@ absl::StatusOr<RowsCols> CheckSwiGluBackward(const Tensor& gate, const Tensor& u
   const RowsCols nf{gate.dim(0), gate.dim(1)};
   SMAT_RETURN_IF_ERROR(ExpectFloat(gate, gate.shape(), kOp, "gate", device));
   SMAT_RETURN_IF_ERROR(Expect(up, gate.dtype(), gate.shape(), kOp, "up", device));
-  SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, gate.shape(), kOp, "dy", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(dy, gate.shape(), kOp, "dy", device));
   SMAT_RETURN_IF_ERROR(ExpectFloat(d_gate, gate.shape(), kOp, "d_gate", device));
   SMAT_RETURN_IF_ERROR(Expect(d_up, d_gate.dtype(), gate.shape(), kOp, "d_up", device));
   for (const NamedTensor& o : {NamedTensor{gate, "gate"}, NamedTensor{up, "up"},
@@ -315,6 +315,70 @@ absl::StatusOr<RowsCols> CheckSwiGluBackward(const Tensor& gate, const Tensor& u
     SMAT_RETURN_IF_ERROR(ExpectNoMixedAlias(o.tensor, d_up, kOp, o.name, "d_up"));
   }
   return nf;
+}
+
+namespace {
+
+// The operands NarrowLinearForward and NarrowLinearBackward share: x [N, in]
+// and w [out, in] (fp32 or bf16), 1 <= out <= kNarrowLinearMaxOut.
+absl::StatusOr<Dims3> CheckNarrowOperands(const char* op, const Tensor& x, const Tensor& w,
+                                          Device device) {
+  for (const NamedTensor& t : {NamedTensor{x, "x"}, NamedTensor{w, "w"}}) {
+    if (!t.tensor.defined() || t.tensor.rank() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": ", t.name, " must be a rank-2 tensor",
+                       t.tensor.defined() ? "; got " + t.tensor.DebugString() : ""));
+    }
+  }
+  const Dims3 d{x.dim(0), x.dim(1), w.dim(0)};
+  SMAT_RETURN_IF_ERROR(ExpectFloat(x, x.shape(), op, "x", device));
+  if (d.d2 < 1 || d.d2 > kNarrowLinearMaxOut) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": w has ", d.d2,
+                                                   " outputs; a narrow linear layer has 1 to ",
+                                                   kNarrowLinearMaxOut));
+  }
+  SMAT_RETURN_IF_ERROR(ExpectFloat(w, {d.d2, d.d1}, op, "w", device));
+  return d;
+}
+
+// out must not start where `in` does (the kernels read `in` while writing out).
+absl::Status ExpectNoAlias(const Tensor& in, const Tensor& out, const char* op,
+                           const char* in_name, const char* out_name) {
+  if (in.numel() > 0 && out.numel() > 0 && in.raw() == out.raw()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ", out_name, " may not alias ", in_name));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Dims3> CheckNarrowLinearForward(const Tensor& x, const Tensor& w,
+                                               const Tensor& bias, const Tensor& y,
+                                               Device device) {
+  constexpr const char* kOp = "NarrowLinearForward";
+  SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckNarrowOperands(kOp, x, w, device));
+  if (bias.defined()) SMAT_RETURN_IF_ERROR(Expect(bias, DType::kF32, {d.d2}, kOp, "bias", device));
+  SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {d.d0, d.d2}, kOp, "y", device));
+  SMAT_RETURN_IF_ERROR(ExpectNoAlias(x, y, kOp, "x", "y"));
+  return d;
+}
+
+absl::StatusOr<Dims3> CheckNarrowLinearBackward(const Tensor& x, const Tensor& w,
+                                                const Tensor& dy, const Tensor& dx,
+                                                const Tensor& d_w, const Tensor& d_bias,
+                                                Device device) {
+  constexpr const char* kOp = "NarrowLinearBackward";
+  SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckNarrowOperands(kOp, x, w, device));
+  SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {d.d0, d.d2}, kOp, "dy", device));
+  SMAT_RETURN_IF_ERROR(Expect(dx, DType::kF32, {d.d0, d.d1}, kOp, "dx", device));
+  SMAT_RETURN_IF_ERROR(Expect(d_w, DType::kF32, {d.d2, d.d1}, kOp, "d_w", device));
+  if (d_bias.defined()) {
+    SMAT_RETURN_IF_ERROR(Expect(d_bias, DType::kF32, {d.d2}, kOp, "d_bias", device));
+  }
+  SMAT_RETURN_IF_ERROR(ExpectNoAlias(x, dx, kOp, "x", "dx"));
+  SMAT_RETURN_IF_ERROR(ExpectNoAlias(dy, dx, kOp, "dy", "dx"));
+  return d;
 }
 
 absl::Status CheckCast(const Tensor& src, const Tensor& dst, Device device) {

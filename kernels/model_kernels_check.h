@@ -138,12 +138,27 @@ absl::Status CheckFeatureMapForward(FeatureMap f, const Tensor& x, const Tensor&
 absl::StatusOr<RowsCols> CheckSwiGluForward(const Tensor& gate, const Tensor& up, const Tensor& y,
                                             Device device);
 
-// SwiGluBackward: gate, up as the forward's; dy fp32 [N, F]; d_gate fp32 or
+// SwiGluBackward: gate, up as the forward's; dy fp32 or bf16 [N, F]; d_gate fp32 or
 // bf16 [N, F], d_up of d_gate's dtype (aliasing an input only of its dtype).
 // Returns {N, F}.
 absl::StatusOr<RowsCols> CheckSwiGluBackward(const Tensor& gate, const Tensor& up, const Tensor& dy,
                                              const Tensor& d_gate, const Tensor& d_up,
                                              Device device);
+
+// NarrowLinearForward: x [N, in] and w [out, in] fp32 or bf16 with
+// 1 <= out <= kNarrowLinearMaxOut, bias fp32 [out] or undefined, y fp32
+// [N, out] not aliasing x. Returns {N, in, out}.
+absl::StatusOr<Dims3> CheckNarrowLinearForward(const Tensor& x, const Tensor& w,
+                                               const Tensor& bias, const Tensor& y,
+                                               Device device);
+
+// NarrowLinearBackward: x, w as the forward's, dy fp32 [N, out], dx fp32
+// [N, in] aliasing neither x nor dy, d_w fp32 [out, in], d_bias fp32 [out] or
+// undefined. Returns {N, in, out}.
+absl::StatusOr<Dims3> CheckNarrowLinearBackward(const Tensor& x, const Tensor& w,
+                                                const Tensor& dy, const Tensor& dx,
+                                                const Tensor& d_w, const Tensor& d_bias,
+                                                Device device);
 
 // Cast: src and dst defined, fp32 or bf16, on `device`, with one element count.
 absl::Status CheckCast(const Tensor& src, const Tensor& dst, Device device);

@@ -160,7 +160,7 @@ class CpuModelKernels final : public ModelKernels {
     const int64_t n = nf.rows * nf.cols;
     const FloatIn a(gate);               // [N, F]
     const FloatIn b(up);                 // [N, F]
-    const float* g = dy.data<float>();   // [N, F]
+    const FloatIn g(dy);                 // [N, F]
     const FloatOut ga(d_gate);           // [N, F]
     const FloatOut gb(d_up);             // [N, F]
     for (int64_t i = 0; i < n; ++i) {
@@ -376,6 +376,59 @@ class CpuModelKernels final : public ModelKernels {
           for (int64_t c = 0; c < C; ++c) gw[j * C + c] += g[c] * in[c];
         }
       }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status NarrowLinearForward(const Tensor& x, const Tensor& w, const Tensor& bias,
+                                   Tensor& y, Stream*) override {
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckNarrowLinearForward(x, w, bias, y, kHost));
+    const auto [N, in, out] = d;
+    const FloatIn xp(x);  // [N, in]
+    const FloatIn wp(w);  // [out, in]
+    const float* bp = bias.defined() ? bias.data<float>() : nullptr;
+    float* yp = y.data<float>();  // [N, out]
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t o = 0; o < out; ++o) {
+        float s = 0.f;
+        for (int64_t j = 0; j < in; ++j) s += xp[i * in + j] * wp[o * in + j];
+        yp[i * out + o] = bp != nullptr ? s + bp[o] : s;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status NarrowLinearBackward(const Tensor& x, const Tensor& w, const Tensor& dy,
+                                    Tensor& dx, bool accumulate_dx, Tensor& d_w, Tensor& d_bias,
+                                    Stream*) override {
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckNarrowLinearBackward(x, w, dy, dx, d_w, d_bias, kHost));
+    const auto [N, in, out] = d;
+    const FloatIn xp(x);              // [N, in]
+    const FloatIn wp(w);              // [out, in]
+    const float* g = dy.data<float>();  // [N, out]
+    float* gx = dx.data<float>();     // [N, in]
+    float* gw = d_w.data<float>();    // [out, in]
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t j = 0; j < in; ++j) {
+        float s = 0.f;
+        for (int64_t o = 0; o < out; ++o) s += g[i * out + o] * wp[o * in + j];
+        gx[i * in + j] = accumulate_dx ? gx[i * in + j] + s : s;
+      }
+    }
+    // Per element of d_w and d_bias: the rows' terms summed in row order, then
+    // added to the gradient.
+    std::vector<float> acc(static_cast<size_t>(out * in), 0.f), acc_b(static_cast<size_t>(out), 0.f);
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t o = 0; o < out; ++o) {
+        const float go = g[i * out + o];
+        for (int64_t j = 0; j < in; ++j) acc[o * in + j] += go * xp[i * in + j];
+        acc_b[o] += go;
+      }
+    }
+    for (int64_t k = 0; k < out * in; ++k) gw[k] += acc[k];
+    if (d_bias.defined()) {
+      float* gb = d_bias.data<float>();
+      for (int64_t o = 0; o < out; ++o) gb[o] += acc_b[o];
     }
     return absl::OkStatus();
   }

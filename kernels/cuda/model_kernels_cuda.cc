@@ -23,6 +23,7 @@ namespace smat {
 namespace {
 
 static_assert(kCudaShortConvWidth == kShortConvWidth, "model_kernels_kernels.h is out of date");
+static_assert(kCudaNarrowMaxOut == kNarrowLinearMaxOut, "model_kernels_kernels.h is out of date");
 static_assert(static_cast<int>(CudaFeatureMap::kEluPlusOne) ==
                       static_cast<int>(FeatureMap::kEluPlusOne) &&
                   static_cast<int>(CudaFeatureMap::kReluEps) ==
@@ -144,7 +145,7 @@ class CudaModelKernels final : public ModelKernels {
     SMAT_ASSIGN_OR_RETURN(RowsCols nf,
                           CheckSwiGluBackward(gate, up, dy, d_gate, d_up, device()));
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    return CudaStatus(LaunchSwiGluBackward(gate.raw(), up.raw(), IsBf16(gate), F32(dy),
+    return CudaStatus(LaunchSwiGluBackward(gate.raw(), up.raw(), IsBf16(gate), dy.raw(), IsBf16(dy),
                                            d_gate.raw(), d_up.raw(), IsBf16(d_gate),
                                            nf.rows * nf.cols, max_blocks_, s),
                       "SwiGluBackward kernel");
@@ -269,6 +270,35 @@ class CudaModelKernels final : public ModelKernels {
                                               IsBf16(dx), F32(d_prefix), F32(d_w), partials, nb,
                                               L, C, s),
                       "ShortConvBackward kernel");
+  }
+
+  // --------------------------------------------------------------- narrow linear layer
+  absl::Status NarrowLinearForward(const Tensor& x, const Tensor& w, const Tensor& bias,
+                                   Tensor& y, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckNarrowLinearForward(x, w, bias, y, device()));
+    const auto [N, in, out] = d;
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    return CudaStatus(LaunchNarrowLinearForward(x.raw(), IsBf16(x), w.raw(), IsBf16(w),
+                                                bias.defined() ? F32(bias) : nullptr, F32(y), N,
+                                                in, static_cast<int>(out), s),
+                      "NarrowLinearForward kernel");
+  }
+
+  absl::Status NarrowLinearBackward(const Tensor& x, const Tensor& w, const Tensor& dy,
+                                    Tensor& dx, bool accumulate_dx, Tensor& d_w, Tensor& d_bias,
+                                    Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(Dims3 d,
+                          CheckNarrowLinearBackward(x, w, dy, dx, d_w, d_bias, device()));
+    const auto [N, in, out] = d;
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    Scratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(float* partials,
+                          scratch.Get<float>(NarrowLinearPartials(N) * out * (in + 1)));
+    return CudaStatus(LaunchNarrowLinearBackward(
+                          x.raw(), IsBf16(x), w.raw(), IsBf16(w), F32(dy), F32(dx), accumulate_dx,
+                          F32(d_w), d_bias.defined() ? F32(d_bias) : nullptr, partials, N, in,
+                          static_cast<int>(out), max_blocks_, s),
+                      "NarrowLinearBackward kernels");
   }
 
   // --------------------------------------------------------------- cross-entropy

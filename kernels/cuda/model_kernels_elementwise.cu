@@ -349,11 +349,14 @@ cudaError_t LaunchSwiGluForward(const void* gate, const void* up, bool in_bf16, 
                    SwiGluForwardOp{}, max_blocks, stream);
 }
 
-cudaError_t LaunchSwiGluBackward(const void* gate, const void* up, bool in_bf16, const float* dy,
-                                 void* d_gate, void* d_up, bool out_bf16, int64_t n,
+cudaError_t LaunchSwiGluBackward(const void* gate, const void* up, bool in_bf16, const void* dy,
+                                 bool dy_bf16, void* d_gate, void* d_up, bool out_bf16, int64_t n,
                                  int max_blocks, cudaStream_t stream) {
-  return LaunchMap(
-      Pointers<3, 2>{{gate, up, dy}, {d_gate, d_up}, in_bf16 ? 3u : 0u, out_bf16 ? 3u : 0u}, n,
+  return LaunchMap(Pointers<3, 2>{{gate, up, dy},
+                                  {d_gate, d_up},
+                                  (in_bf16 ? 3u : 0u) | (dy_bf16 ? 4u : 0u),
+                                  out_bf16 ? 3u : 0u},
+                   n,
       SwiGluBackwardOp{}, max_blocks, stream);
 }
 

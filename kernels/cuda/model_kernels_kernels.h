@@ -89,8 +89,8 @@ cudaError_t LaunchRmsNormBackward(const float* x, const float* w, const float* r
 // gate and up share in_bf16; d_gate and d_up share out_bf16.
 cudaError_t LaunchSwiGluForward(const void* gate, const void* up, bool in_bf16, void* y,
                                 bool y_bf16, int64_t n, int max_blocks, cudaStream_t stream);
-cudaError_t LaunchSwiGluBackward(const void* gate, const void* up, bool in_bf16, const float* dy,
-                                 void* d_gate, void* d_up, bool out_bf16, int64_t n,
+cudaError_t LaunchSwiGluBackward(const void* gate, const void* up, bool in_bf16, const void* dy,
+                                 bool dy_bf16, void* d_gate, void* d_up, bool out_bf16, int64_t n,
                                  int max_blocks, cudaStream_t stream);
 // out = a + b, as the CPU.
 cudaError_t LaunchResidualAdd(const float* a, const float* b, float* out, int64_t n,
@@ -144,6 +144,25 @@ cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const f
                                     const float* dy, void* dx, bool dx_bf16, float* d_prefix,
                                     float* d_w, float* partials, int64_t nb, int64_t L, int64_t C,
                                     cudaStream_t stream);
+
+// --- narrow linear layer (out <= kCudaNarrowMaxOut) ---------------------------------
+inline constexpr int kCudaNarrowMaxOut = 16;
+// y [N, out] = x [N, in] w [out, in]^T (+ bias [out] when not null): one warp
+// per row, each lane's terms in column order, the lanes added in a fixed tree.
+// x and w fp32, or (their flag) bf16 bits.
+cudaError_t LaunchNarrowLinearForward(const void* x, bool x_bf16, const void* w, bool w_bf16,
+                                      const float* bias, float* y, int64_t N, int64_t in, int out,
+                                      cudaStream_t stream);
+// Partial rows LaunchNarrowLinearBackward needs (partials [that, out * (in + 1)]).
+int64_t NarrowLinearPartials(int64_t N);
+// dx = dy w (accumulate_dx: dx += dy w), the outputs in order per element;
+// d_w [out, in] += dy^T x and (d_bias not null) d_bias += column sums of dy:
+// each block's fixed range of rows summed in fixed row groups (a partial),
+// then the partials in fixed groups (out += the sum).
+cudaError_t LaunchNarrowLinearBackward(const void* x, bool x_bf16, const void* w, bool w_bf16,
+                                       const float* dy, float* dx, bool accumulate_dx,
+                                       float* d_w, float* d_bias, float* partials, int64_t N,
+                                       int64_t in, int out, int max_blocks, cudaStream_t stream);
 
 // --- cross-entropy ------------------------------------------------------------------
 // One block per row of logits [m, V]: lse[i] = max + log(sum exp(logit - max))

@@ -700,6 +700,19 @@ TEST_F(ModelKernelsBf16GpuTest, ElementwiseBf16OutputsAreTheCastOfFp32) {
     ExpectBitwise(Host(y16), Host(To(y, DType::kBF16)), "SwiGluForward bf16 y");
     ExpectBitwise(Host(dg16), Host(To(dg, DType::kBF16)), "SwiGluBackward bf16 d_gate");
     ExpectBitwise(Host(du16), Host(To(du, DType::kBF16)), "SwiGluBackward bf16 d_up");
+    // A bf16 dy (the product's bf16 output) is read exactly.
+    const Tensor dy16 = To(ddy, DType::kBF16), dyw = To(dy16, DType::kF32);
+    Tensor dg3 = Poisoned({N, F}), du3 = Poisoned({N, F});
+    SMAT_ASSERT_OK(gmk_->SwiGluBackward(g32, u32, dyw, dg3, du3));
+    Tensor dg4 = P16({N, F}), du4 = P16({N, F});
+    SMAT_ASSERT_OK(gmk_->SwiGluBackward(gin, uin, dy16, dg4, du4));
+    ExpectBitwise(Host(dg4), Host(To(dg3, DType::kBF16)), "SwiGluBackward d_gate, bf16 dy");
+    ExpectBitwise(Host(du4), Host(To(du3, DType::kBF16)), "SwiGluBackward d_up, bf16 dy");
+    // And matches the CPU's.
+    Tensor cdg = Tensor::Empty({N, F}, DType::kBF16).value(), cdu = Clone(cdg);
+    SMAT_ASSERT_OK(cmk_->SwiGluBackward(Host(gin), Host(uin), Host(dy16), cdg, cdu));
+    ExpectClose(Host(To(dg4, DType::kF32)), Host(To(Dev(cdg), DType::kF32)), 1e-2, 1e-6,
+                "SwiGluBackward d_gate, bf16 dy, vs CPU");
   }
   // Unaligned bf16 views: the scalar path.
   {
@@ -822,6 +835,79 @@ TEST_F(ModelKernelsBf16GpuTest, GemmBf16OutputRoundsTheFp32Product) {
   const absl::Status s = gpu_->Gemm(Transpose::kNo, Transpose::kNo, 1.f, a, b, 1.f, c);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(std::string(s.message()).find("beta must be 0"), std::string::npos) << s;
+}
+
+// ------------------------------------------------------------------ narrow linear layer
+// Against the CPU at odd sizes (in = 389; out 1, 6 and 16; rows that fill
+// partial blocks unevenly), fp32 and bf16 x and w, with and without a bias, dx
+// written (poisoned first) and accumulated, gradients that start non-zero;
+// two runs bitwise equal. The GPU sums in another fixed order (lane trees,
+// row groups, partials), so the comparison is close: 1e-5 of the element plus
+// 1e-6 of the largest magnitude (1e-5 for the sums over rows).
+TEST_F(ModelKernelsBf16GpuTest, NarrowLinearMatchesCpu) {
+  struct Case {
+    int64_t N, in, out;
+    bool bf16, bias;
+  };
+  for (const Case& c : {Case{1031, 389, 6, true, true}, Case{1031, 389, 16, false, true},
+                        Case{1031, 389, 1, true, false}, Case{40009, 389, 6, true, true},
+                        Case{257, 31, 12, false, false}}) {
+    SCOPED_TRACE("N " + std::to_string(c.N) + " in " + std::to_string(c.in) + " out " +
+                 std::to_string(c.out) + (c.bf16 ? " bf16" : " fp32") +
+                 (c.bias ? " bias" : " no bias"));
+    const int64_t N = c.N, in = c.in, out = c.out;
+    Tensor gx = Dev(Random({N, in}, 81, 2.f)), gw = Dev(Random({out, in}, 82));
+    if (c.bf16) {
+      gx = To(gx, DType::kBF16);
+      gw = To(gw, DType::kBF16);
+    }
+    const Tensor x = Host(gx), w = Host(gw), b = Random({out}, 83), dy = Random({N, out}, 84);
+    const Tensor dx0 = Random({N, in}, 85), dw0 = Random({out, in}, 86), db0 = Random({out}, 87);
+    Tensor no_bias;
+    // Forward.
+    Tensor y = *Tensor::Empty({N, out}, DType::kF32);
+    SMAT_ASSERT_OK(cmk_->NarrowLinearForward(x, w, c.bias ? b : no_bias, y));
+    const Tensor gb = Dev(b);
+    Tensor gy = Poisoned({N, out});
+    SMAT_ASSERT_OK(gmk_->NarrowLinearForward(gx, gw, c.bias ? gb : no_bias, gy));
+    ExpectClose(Host(gy), y, 1e-5, 1e-6, "NarrowLinearForward y");
+    Tensor gy2 = Poisoned({N, out});
+    SMAT_ASSERT_OK(gmk_->NarrowLinearForward(gx, gw, c.bias ? gb : no_bias, gy2));
+    ExpectSameBits(Host(gy2), Host(gy), "NarrowLinearForward y");
+    // Backward, dx written and accumulated.
+    const Tensor gdy = Dev(dy);
+    for (bool accumulate : {false, true}) {
+      SCOPED_TRACE(accumulate ? "dx +=" : "dx =");
+      Tensor dx = Clone(dx0), dw = Clone(dw0), db = Clone(db0);
+      SMAT_ASSERT_OK(
+          cmk_->NarrowLinearBackward(x, w, dy, dx, accumulate, dw, c.bias ? db : no_bias));
+      Tensor results[2][3];
+      for (Tensor(&r)[3] : results) {
+        Tensor gdx = accumulate ? Dev(dx0) : Poisoned({N, in}), gdw = Dev(dw0), gdb = Dev(db0);
+        SMAT_ASSERT_OK(gmk_->NarrowLinearBackward(gx, gw, gdy, gdx, accumulate, gdw,
+                                                  c.bias ? gdb : no_bias));
+        r[0] = Host(gdx);
+        r[1] = Host(gdw);
+        r[2] = Host(gdb);
+      }
+      ExpectClose(results[0][0], dx, 1e-5, 1e-6, "NarrowLinearBackward dx");
+      ExpectClose(results[0][1], dw, 1e-5, 1e-5, "NarrowLinearBackward d_w (+=)");
+      ExpectClose(results[0][2], db, 1e-5, 1e-5, "NarrowLinearBackward d_bias (+=)");
+      if (!c.bias) ExpectBitwise(results[0][2], db0, "NarrowLinearBackward d_bias untouched");
+      for (int k = 0; k < 3; ++k) ExpectSameBits(results[1][k], results[0][k], "NarrowLinearBackward");
+    }
+  }
+  // The operand checks are the CPU's.
+  const Tensor gx = Dev(Random({7, 5}, 88)), gw = Dev(Random({17, 5}, 89));
+  Tensor gy = Poisoned({7, 17}), no_bias;
+  const absl::Status s = gmk_->NarrowLinearForward(gx, gw, no_bias, gy);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("17 outputs"), std::string::npos) << s;
+  Tensor alias = Dev(Random({7, 5}, 90)), gdw = Dev(Random({6, 5}, 91));
+  const Tensor gw6 = Dev(Random({6, 5}, 92)), gdy = Dev(Random({7, 6}, 93));
+  const absl::Status a = gmk_->NarrowLinearBackward(alias, gw6, gdy, alias, true, gdw, no_bias);
+  EXPECT_EQ(a.code(), absl::StatusCode::kInvalidArgument) << a;
+  EXPECT_NE(std::string(a.message()).find("dx may not alias x"), std::string::npos) << a;
 }
 
 }  // namespace

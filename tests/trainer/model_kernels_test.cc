@@ -660,9 +660,29 @@ TEST_F(ModelKernelsBf16Test, SwiGluReadsAndWritesBf16) {
   s = mk_->SwiGluBackward(gate, up, dy, dg16, du);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("SwiGluBackward: d_up"), std::string::npos) << s;
-  // dy stays fp32.
-  Tensor du2 = Zeros({N, F});
-  s = mk_->SwiGluBackward(gate, up, To(dy, DType::kBF16), du, du2);
+  // A bf16 dy is read exactly: the same bits as its widened fp32 values, for
+  // fp32 and bf16 gradients.
+  const Tensor dy16 = To(dy, DType::kBF16), dy_w = To(dy16, DType::kF32);
+  for (DType out : {DType::kF32, DType::kBF16}) {
+    Tensor dg_w = Zeros({N, F}), du_w = Zeros({N, F});
+    ASSERT_TRUE(mk_->SwiGluBackward(gate, up, dy_w, dg_w, du_w).ok());
+    Tensor dg2 = out == DType::kF32 ? Zeros({N, F}) : Bf16NaN({N, F});
+    Tensor du2 = out == DType::kF32 ? Zeros({N, F}) : Bf16NaN({N, F});
+    ASSERT_TRUE(mk_->SwiGluBackward(gate, up, dy16, dg2, du2).ok());
+    ExpectSameBits(dg2, To(dg_w, out), "SwiGluBackward d_gate from a bf16 dy");
+    ExpectSameBits(du2, To(du_w, out), "SwiGluBackward d_up from a bf16 dy");
+  }
+  // A fp32 d_gate may not overwrite a bf16 dy in place.
+  Tensor dy16_as_f32 = Tensor::Wrap(const_cast<void*>(dy16.raw()), {N, F / 2}, DType::kF32,
+                                    dy16.device());
+  Tensor du3 = Zeros({N, F / 2});
+  s = mk_->SwiGluBackward(gate.View(0, {N, F / 2}), up.View(0, {N, F / 2}),
+                          dy16.View(0, {N, F / 2}), dy16_as_f32, du3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("may not alias"), std::string::npos) << s;
+  // dy is fp32 or bf16.
+  Tensor ints = *Tensor::Empty({N, F}, DType::kI32), du4 = Zeros({N, F});
+  s = mk_->SwiGluBackward(gate, up, ints, du, du4);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("SwiGluBackward: dy"), std::string::npos) << s;
 }
@@ -722,6 +742,93 @@ TEST_F(ModelKernelsBf16Test, ShortConvWritesTheCastOfItsFp32Outputs) {
   // The inputs stay fp32.
   const absl::Status s = mk_->ShortConvForward(To(x, DType::kBF16), prefix, w, y);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+}
+
+// --- narrow linear layer -----------------------------------------------------------------
+// Forward and backward against double formulas (the layer is linear, so the
+// gradients are exact sums), with fp32 and bf16 x and w (bf16 read exactly:
+// the results equal those on the widened values), gradients that start
+// non-zero, dx written and accumulated, and no bias.
+TEST_F(ModelKernelsBf16Test, NarrowLinearMatchesDoubleFormulas) {
+  const int64_t N = 37, in = 29, out = 7;
+  const Tensor x32 = Randn({N, in}, 61), w32 = Randn({out, in}, 62), b = Randn({out}, 63);
+  const Tensor dy = Randn({N, out}, 64), dx0 = Randn({N, in}, 65);
+  const Tensor dw0 = Randn({out, in}, 66), db0 = Randn({out}, 67);
+  for (bool in16 : {false, true}) {
+    SCOPED_TRACE(in16 ? "bf16 x and w" : "fp32 x and w");
+    const Tensor x = in16 ? To(x32, DType::kBF16) : x32;
+    const Tensor w = in16 ? To(w32, DType::kBF16) : w32;
+    const Vec xv = ToVec(in16 ? To(x, DType::kF32) : x), wv = ToVec(in16 ? To(w, DType::kF32) : w);
+    const Vec bv = ToVec(b), g = ToVec(dy), dxv = ToVec(dx0), dwv = ToVec(dw0), dbv = ToVec(db0);
+    for (bool with_bias : {true, false}) {
+      SCOPED_TRACE(with_bias ? "bias" : "no bias");
+      Vec y_want(N * out), dx_want(N * in), dw_want(dwv), db_want(dbv);
+      for (int64_t i = 0; i < N; ++i) {
+        for (int64_t o = 0; o < out; ++o) {
+          double s = with_bias ? bv[o] : 0;
+          for (int64_t j = 0; j < in; ++j) s += xv[i * in + j] * wv[o * in + j];
+          y_want[i * out + o] = s;
+          if (with_bias) db_want[o] += g[i * out + o];
+          for (int64_t j = 0; j < in; ++j) dw_want[o * in + j] += g[i * out + o] * xv[i * in + j];
+        }
+        for (int64_t j = 0; j < in; ++j) {
+          double s = 0;
+          for (int64_t o = 0; o < out; ++o) s += g[i * out + o] * wv[o * in + j];
+          dx_want[i * in + j] = s;
+        }
+      }
+      Tensor y = Zeros({N, out});
+      ASSERT_TRUE(mk_->NarrowLinearForward(x, w, with_bias ? b : Tensor(), y).ok());
+      ExpectClose(y, y_want, "NarrowLinearForward y");
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(accumulate ? "dx +=" : "dx =");
+        Tensor dx = *Tensor::Empty({N, in}, DType::kF32), dw = Zeros({out, in});
+        Tensor db = Zeros({out}), no_bias;
+        std::memcpy(dx.raw(), dx0.raw(), dx0.nbytes());
+        std::memcpy(dw.raw(), dw0.raw(), dw0.nbytes());
+        std::memcpy(db.raw(), db0.raw(), db0.nbytes());
+        if (!accumulate) std::fill(dx.data<float>(), dx.data<float>() + dx.numel(), NAN);
+        ASSERT_TRUE(
+            mk_->NarrowLinearBackward(x, w, dy, dx, accumulate, dw, with_bias ? db : no_bias)
+                .ok());
+        Vec want = dx_want;
+        if (accumulate) {
+          for (size_t k = 0; k < want.size(); ++k) want[k] += dxv[k];
+        }
+        ExpectClose(dx, want, "NarrowLinearBackward dx");
+        ExpectClose(dw, dw_want, "NarrowLinearBackward d_w");
+        ExpectClose(db, with_bias ? db_want : dbv, "NarrowLinearBackward d_bias");
+      }
+    }
+  }
+}
+
+TEST_F(ModelKernelsBf16Test, NarrowLinearRejectsBadOperands) {
+  const int64_t N = 5, in = 3;
+  const Tensor x = Randn({N, in}, 71), b17 = Randn({17}, 72), w17 = Randn({17, in}, 73);
+  const Tensor w = Randn({4, in}, 74), b = Randn({4}, 75);
+  Tensor y17 = Zeros({N, 17}), y = Zeros({N, 4});
+  absl::Status s = mk_->NarrowLinearForward(x, w17, b17, y17);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("17 outputs"), std::string::npos) << s;
+  s = mk_->NarrowLinearForward(x, w, Randn({3}, 76), y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("NarrowLinearForward: bias"), std::string::npos) << s;
+  s = mk_->NarrowLinearForward(x, Randn({4, in + 1}, 77), b, y);
+  EXPECT_NE(std::string(s.message()).find("NarrowLinearForward: w"), std::string::npos) << s;
+  Tensor y16 = Bf16NaN({N, 4});
+  s = mk_->NarrowLinearForward(x, w, b, y16);
+  EXPECT_NE(std::string(s.message()).find("NarrowLinearForward: y"), std::string::npos) << s;
+  Tensor dy = Randn({N, 4}, 78), dx = Zeros({N, in}), dw = Zeros({4, in}), db = Zeros({4});
+  s = mk_->NarrowLinearBackward(x, w, To(dy, DType::kBF16), dx, false, dw, db);
+  EXPECT_NE(std::string(s.message()).find("NarrowLinearBackward: dy"), std::string::npos) << s;
+  Tensor x_alias = x;
+  s = mk_->NarrowLinearBackward(x, w, dy, x_alias, false, dw, db);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("dx may not alias x"), std::string::npos) << s;
+  Tensor dw_bad = Zeros({in, 4});
+  s = mk_->NarrowLinearBackward(x, w, dy, dx, false, dw_bad, db);
+  EXPECT_NE(std::string(s.message()).find("NarrowLinearBackward: d_w"), std::string::npos) << s;
 }
 
 }  // namespace
