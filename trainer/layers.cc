@@ -104,4 +104,25 @@ absl::Status Dense::Backward(const Tensor& x, const Tensor& dy, Parameter& w, Pa
   return absl::OkStatus();
 }
 
+absl::Status Dense::NarrowForward(const Tensor& x, const Parameter& w, const Parameter* bias,
+                                  Tensor& y) {
+  if (!bf16_) return Forward(x, w, bias, y);
+  SMAT_ASSIGN_OR_RETURN(Tensor xs, Operand(x, kOperand));
+  SMAT_ASSIGN_OR_RETURN(Tensor ws, WeightOperand(w));
+  return Annotate(
+      kernels_->NarrowLinearForward(xs, ws, bias != nullptr ? bias->value : Tensor(), y),
+      "linear ", w.name);
+}
+
+absl::Status Dense::NarrowBackward(const Tensor& x, const Tensor& dy, Parameter& w,
+                                   Parameter* bias, Tensor* dx, bool accumulate_dx) {
+  if (!bf16_ || dx == nullptr) return Backward(x, dy, w, bias, dx, accumulate_dx);
+  SMAT_ASSIGN_OR_RETURN(Tensor xs, Operand(x, kOperand));
+  SMAT_ASSIGN_OR_RETURN(Tensor ws, WeightOperand(w));
+  Tensor no_bias;
+  return Annotate(kernels_->NarrowLinearBackward(xs, ws, dy, *dx, accumulate_dx, w.grad,
+                                                 bias != nullptr ? bias->grad : no_bias),
+                  "linear backward ", w.name);
+}
+
 }  // namespace smat

@@ -72,6 +72,16 @@ class Dense {
   absl::Status Backward(const Tensor& x, const Tensor& dy, Parameter& w, Parameter* bias,
                         Tensor* dx, bool accumulate_dx);
 
+  // The same layer for out <= kNarrowLinearMaxOut outputs (the mixer's decay
+  // and key-gate projections). With bf16 on: ModelKernels::NarrowLinear*, x
+  // and w read in bf16 as by the products, dy kept fp32, and NarrowBackward's
+  // dx written (not accumulated) when accumulate_dx is false; in fp32 mode,
+  // exactly Forward and Backward.
+  absl::Status NarrowForward(const Tensor& x, const Parameter& w, const Parameter* bias,
+                             Tensor& y);
+  absl::Status NarrowBackward(const Tensor& x, const Tensor& dy, Parameter& w, Parameter* bias,
+                              Tensor* dx, bool accumulate_dx);
+
   // The operand the products read for t: t itself in fp32 mode (or when it is
   // bf16 already), else its bf16 cast in scratch slot `slot`, valid until the
   // slot's next use.

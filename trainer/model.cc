@@ -189,7 +189,9 @@ absl::Status Model::Impl::BlockBackward(Backend& be, size_t l, const BlockActiva
   const int64_t N = a.x.dim(0), W = a.x.dim(1), F = p.w_gate->value.dim(0);
   // MLP branch: y = x_mid + act Wd^T.
   std::optional<PhaseScope> phase(std::in_place, be, "bwd.mlp");
-  SMAT_ASSIGN_OR_RETURN(Tensor d_act, NewActivation(be, {N, F}));
+  // d_act is read only by SwiGLU's backward, which reads bf16 exactly: with
+  // run.bf16 the product writes it in bf16.
+  SMAT_ASSIGN_OR_RETURN(Tensor d_act, dense->NewOperand({N, F}));
   SMAT_RETURN_IF_ERROR(dense->Backward(a.act, dy, *p.w_down, nullptr, &d_act, false));
   // d_gate and d_up are read only by the products below: bf16 with run.bf16.
   SMAT_ASSIGN_OR_RETURN(Tensor d_gate, dense->NewOperand({N, F}));

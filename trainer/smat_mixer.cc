@@ -146,6 +146,7 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
     SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.wv, nullptr, a->v_proj));
   }
 
+  std::optional<PhaseScope> stage(std::in_place, be, "fwd.mixer.conv_features");
   if (p_.conv_q != nullptr) {
     // The conv reads 3 rows before the span: one halo exchange for q, k, v.
     const std::vector<Tensor> proj = {a->q_proj.View(0, {nb, L, Cq}),
@@ -182,9 +183,10 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
                                         : NewActivation(be, {N, Cq}));
   SMAT_RETURN_IF_ERROR(Features(a->q_in, a->phi));
   SMAT_RETURN_IF_ERROR(Features(a->k_in, a->psi_raw));
+  stage.emplace(be, "fwd.mixer.gates");
   if (p_.w_key_gate != nullptr) {
     SMAT_ASSIGN_OR_RETURN(a->key_gate, NewActivation(be, {N, H_}));
-    SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.w_key_gate, p_.b_key_gate, a->key_gate));
+    SMAT_RETURN_IF_ERROR(dense_->NarrowForward(xs, *p_.w_key_gate, p_.b_key_gate, a->key_gate));
     SMAT_ASSIGN_OR_RETURN(a->psi, NewActivation(be, {N, H_, r_}));
     SMAT_RETURN_IF_ERROR(
         kernels_->SigmoidScaleForward(a->psi_raw.View(0, {N, H_, r_}), a->key_gate, a->psi));
@@ -194,7 +196,7 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   }
   if (p_.w_decay != nullptr) {
     SMAT_ASSIGN_OR_RETURN(a->decay_in, NewActivation(be, {N, H_}));
-    SMAT_RETURN_IF_ERROR(dense_->Forward(xs, *p_.w_decay, p_.b_decay, a->decay_in));
+    SMAT_RETURN_IF_ERROR(dense_->NarrowForward(xs, *p_.w_decay, p_.b_decay, a->decay_in));
     SMAT_ASSIGN_OR_RETURN(a->logg, NewActivation(be, {N, H_}));
     SMAT_RETURN_IF_ERROR(kernels_->NegSoftplusForward(a->decay_in, a->logg));
   }
@@ -202,6 +204,7 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   SMAT_ASSIGN_OR_RETURN(a->smat_phi, SmatOperand(a->phi));
   SMAT_ASSIGN_OR_RETURN(a->smat_psi, SmatOperand(a->psi));
   SMAT_ASSIGN_OR_RETURN(a->smat_v, SmatOperand(a->v));
+  stage.reset();
   SmatInputs in;
   in.phi = a->smat_phi.View(0, {nb, L, H_, r_});
   in.psi = a->smat_psi.View(0, {nb, L, H_, r_});
@@ -226,6 +229,7 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
     }
   }
 
+  PhaseScope wo_phase(be, "fwd.mixer.wo");
   SMAT_ASSIGN_OR_RETURN(*out, NewActivation(be, {N, W}));
   return dense_->Forward(a->smat.o.View(0, {N, Cv}), *p_.wo, nullptr, *out);
 }
@@ -237,8 +241,11 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
   const int64_t Cq = H_ * r_, Cv = H_ * dv_;
 
   SMAT_ASSIGN_OR_RETURN(Tensor d_o, NewActivation(be, {N, Cv}));  // [N, H dv]
-  SMAT_RETURN_IF_ERROR(
-      dense_->Backward(a.smat.o.View(0, {N, Cv}), dout, *p_.wo, nullptr, &d_o, false));
+  {
+    PhaseScope phase(be, "bwd.mixer.wo");
+    SMAT_RETURN_IF_ERROR(
+        dense_->Backward(a.smat.o.View(0, {N, Cv}), dout, *p_.wo, nullptr, &d_o, false));
+  }
 
   SmatInputs in;
   in.phi = a.smat_phi.View(0, {nb, L, H_, r_});
@@ -264,13 +271,19 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
     }
   }
 
-  SMAT_ASSIGN_OR_RETURN(*dx, NewZeros(be, {N, W}));
+  std::optional<PhaseScope> phase(std::in_place, be, "bwd.mixer.gates");
+  // fp32 mode: dx zero-filled, every product accumulates into it. With
+  // run.bf16 the first product writes it.
+  bool dx_written = !dense_->bf16();
+  SMAT_ASSIGN_OR_RETURN(*dx, dx_written ? NewZeros(be, {N, W}) : NewActivation(be, {N, W}));
   SMAT_ASSIGN_OR_RETURN(const Tensor xs, dense_->Operand(x, Dense::kInput));
   if (p_.w_decay != nullptr) {
     SMAT_ASSIGN_OR_RETURN(Tensor d_decay, NewActivation(be, {N, H_}));  // [N, H]
     SMAT_RETURN_IF_ERROR(
         kernels_->NegSoftplusBackward(a.decay_in, g.logg.View(0, {N, H_}), d_decay));
-    SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_decay, *p_.w_decay, p_.b_decay, dx, true));
+    SMAT_RETURN_IF_ERROR(
+        dense_->NarrowBackward(xs, d_decay, *p_.w_decay, p_.b_decay, dx, dx_written));
+    dx_written = true;
   }
   Tensor d_psi_raw = g.psi.View(0, {N, Cq});  // [N, H r]
   if (p_.w_key_gate != nullptr) {
@@ -279,10 +292,12 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
     SMAT_RETURN_IF_ERROR(kernels_->SigmoidScaleBackward(a.psi_raw.View(0, {N, H_, r_}),
                                                         a.key_gate, g.psi.View(0, {N, H_, r_}),
                                                         d_raw, d_gate));
-    SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_gate, *p_.w_key_gate, p_.b_key_gate, dx, true));
+    SMAT_RETURN_IF_ERROR(
+        dense_->NarrowBackward(xs, d_gate, *p_.w_key_gate, p_.b_key_gate, dx, dx_written));
+    dx_written = true;
     d_psi_raw = d_raw.View(0, {N, Cq});
   }
-  std::optional<PhaseScope> phase(std::in_place, be, "bwd.mixer.features_conv");
+  phase.emplace(be, "bwd.mixer.features_conv");
   // Gradients of the feature-map inputs (conv outputs or projections).
   SMAT_ASSIGN_OR_RETURN(Tensor d_q_in, NewActivation(be, {N, Cq}));
   SMAT_ASSIGN_OR_RETURN(Tensor d_k_in, NewActivation(be, {N, Cq}));
@@ -318,7 +333,7 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
         ReturnConvPrefixGradients(be, *step.comm, step.spans, d_prefix, d_proj));
   }
   phase.emplace(be, "bwd.mixer.qkv");
-  SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_q, *p_.wq, nullptr, dx, true));
+  SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_q, *p_.wq, nullptr, dx, dx_written));
   SMAT_RETURN_IF_ERROR(dense_->Backward(xs, d_k, *p_.wk, nullptr, dx, true));
   return dense_->Backward(xs, d_v, *p_.wv, nullptr, dx, true);
 }
