@@ -528,6 +528,10 @@ constexpr bool kMmaForwardBf16ByDefault = true;
 constexpr bool kMmaForwardF32ByDefault = false;
 constexpr bool kMmaBackwardBf16ByDefault = true;
 constexpr bool kMmaBackwardF32ByDefault = false;
+// The forward of bf16 inputs on tensor cores: the fused kernel of
+// smat_chunk_fwd_mma.cu (cp.async staging, ldmatrix, two blocks per SM)
+// rather than the tile below.
+constexpr bool kFusedForwardBf16 = true;
 
 template <Kind kKind, typename In>
 cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
@@ -585,6 +589,9 @@ cudaError_t LaunchSmatChunkOutputsMma(const SmatCudaDims& d, const void* phi, co
                                       const void* v, const float* lam, const float* S_in,
                                       float* ybar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (kFusedForwardBf16 && SmatChunkForwardFusedFits(d)) {
+    return LaunchSmatChunkOutputsForwardFused(d, phi, psi, v, lam, S_in, ybar, stream);
+  }
   return LaunchAny<Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr, S_in, ybar, stream);
 }
 

@@ -229,6 +229,17 @@ cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& dims, const vo
                                               float* phi_bar, float* psi_bar, float* v_bar,
                                               cudaStream_t stream);
 
+// ---- smat_chunk_fwd_mma.cu ------------------------------------------------------
+
+// F6 for bf16 inputs as one tensor-core kernel in the style of the fused B7;
+// fits where the fast tiles do, on sm_80 or later with its shared memory.
+// LaunchSmatChunkOutputsMma uses it then.
+bool SmatChunkForwardFusedFits(const SmatCudaDims& dims);
+cudaError_t LaunchSmatChunkOutputsForwardFused(const SmatCudaDims& dims, const void* phi,
+                                               const void* psi, const void* v, const float* lam,
+                                               const float* S_in, float* ybar,
+                                               cudaStream_t stream);
+
 // ---- smat_chunk_bwd_mma.cu ------------------------------------------------------
 
 // B7 for bf16 inputs as one tensor-core kernel (phi_bar, psi_bar and v_bar

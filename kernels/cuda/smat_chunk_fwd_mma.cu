@@ -1,0 +1,334 @@
+// F6 (eq. 10, gated by Lemma 4) for bf16 inputs in one tensor-core kernel in
+// the style of the fused B7 (smat_chunk_bwd_mma.cu): per chunk k and (b, h),
+// for the chunk's tokens t,
+//   ybar_t = exp(lam_t) phi_t^T S_in[k] + sum_{s <= t} W[t, s] (phi_t . psi_s) vbar_s,
+// W[t, s] = exp(lam_t - lam_s) (ungated: 1), vbar_s = [v_s, 1], written (not
+// added) to ybar [batch, L, H, p]. c <= 128 tokens, r, dv <= 64.
+// LaunchSmatChunkOutputsMma runs it for bf16 inputs; fp32 inputs keep the
+// tile of smat_chunk_mma.cu, and SMAT_CUDA_CHUNK_TILES=ffma the FFMA tile.
+//
+// Staging, once per block: phi, psi and vbar as bf16 token rows ([128][72],
+// cp.async where rows allow it; vbar's ones in column dv), and S_in[k] as three
+// bf16 planes ([64][72] each, S = S1 + S2 + S3), all zero beyond the chunk's
+// tokens and the matrices' sizes. 82 KB of shared memory: two blocks per SM.
+//
+// Products (mma.sync m16n8k16, bf16, fp32 accumulation): warp w takes the
+// output rows of query block w, columns 0-31, and of query block 7 - w,
+// columns 32-71 (w + 1 and 8 - w live key blocks: the same work per warp on a
+// full chunk). For each key block s-block j <= i it computes the 16 x 16 score
+// tile A = phi psi^T (exact products: both operands bf16), applies W and the
+// causal mask in registers, splits it into three bf16 A fragments and
+// multiplies by the staged vbar rows (3 MMAs per n-tile); the state term is
+// phi (exact) times the three planes of S_in (3 MMAs per n-tile), scaled by
+// exp(lam_t) first. The den column (dv) is the ones column of vbar and column
+// dv of S_in, like any other.
+//
+// Exactness: as smat_chunk_mma.cu (every fp32 operand in three parts, the
+// correction terms in an accumulator of their own): within 1e-5 of the CPU
+// phase; a fixed summation order and no atomics, so the same inputs give the
+// same bits (tests/gpu/smat_gpu_test.cc).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_fast_tiles.cuh"
+#include "kernels/cuda/smat_mma.cuh"
+
+namespace smat {
+namespace {
+
+using cuda_detail::ChunkRow;
+using cuda_detail::TokenRow;
+using namespace mma_tiles;  // NOLINT: the tensor-core pieces are this file's vocabulary
+
+constexpr int kThreads = 256;
+constexpr int kC = 128;                // chunk tokens held
+constexpr int kW = 64;                 // widest r or dv
+constexpr int kLd = 72;                // bf16 row pitch of every staged tile
+constexpr int kTile = kC * kLd;        // a token tile
+constexpr int kPlane = kW * kLd;       // a plane of S_in
+constexpr int kPhi = 0, kPsi = 1, kV = 2;
+constexpr int kOffS = 3 * kTile;       // the three planes of S_in
+constexpr int kOffTokens = kOffS + 3 * kPlane;  // fp32 lam, wq [kC] (bf16 units)
+constexpr int kSmemBytes = kOffTokens * 2 + 2 * kC * 4;
+static_assert(kOffTokens % 8 == 0, "the fp32 arrays must be 16-byte aligned");
+
+struct Block {
+  __nv_bfloat16* base;
+  int ce, nb, r, p, kr;
+  int g, tq;
+  int off_a, off_bn, off_bt;  // ldmatrix lane offsets (see smat_chunk_bwd_mma.cu)
+  __device__ const float* lam() const { return reinterpret_cast<const float*>(base + kOffTokens); }
+  __device__ const float* wq() const { return lam() + kC; }
+  __device__ uint32_t Addr(int elem, int row, int col, int off) const {
+    return SmemAddr(base) + 2u * static_cast<uint32_t>(elem + row * kLd + col + off);
+  }
+};
+
+// dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
+// t < kC, n < kW (columns kW..kLd-1 are left alone). vec: width % 8 == 0 and
+// rows 16-byte aligned (cp.async).
+__device__ __forceinline__ void StageRows(const __nv_bfloat16* src, int64_t stride, int width,
+                                          int ce, bool vec, __nv_bfloat16* dst) {
+  if (vec) {
+    for (int e = threadIdx.x; e < kC * (kW / 8); e += kThreads) {
+      const int t = e >> 3, q = e & 7;
+      __nv_bfloat16* to = dst + t * kLd + 8 * q;
+      if (t < ce && 8 * q < width) {
+        CpAsync16(SmemAddr(to), src + t * stride + 8 * q);
+      } else {
+        *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  } else {
+    constexpr int kBatch = 8;
+    for (int e0 = threadIdx.x; e0 < kC * kW; e0 += kThreads * kBatch) {
+      __nv_bfloat16 x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
+        const __nv_bfloat16 y = src[min(t, ce - 1) * stride + min(n, width - 1)];
+        x[u] = t < ce && n < width ? y : __float2bfloat16_rn(0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
+        dst[t * kLd + n] = x[u];
+      }
+    }
+  }
+}
+
+// Output rows of query block i, n-tiles kN0 .. kN0 + kNt - 1 (8 columns each).
+template <bool kGated, int kN0, int kNt>
+__device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int i, float* __restrict__ ybar) {
+  constexpr int kPairs = (kNt + 1) / 2;  // ldmatrix x4 .trans loads two n-tiles
+  const int g = bk.g, tq = bk.tq;
+  float hi[kNt][4], lo[kNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
+  // State term: phi_t (exact) times the planes of S_in.
+  for (int ks = 0; ks < bk.kr; ++ks) {
+    uint32_t a[4];
+    Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
+    // Per accumulator the order of Mma1x3: lo += a S3, lo += a S2, hi += a S1.
+#pragma unroll
+    for (int q = 2; q >= 0; --q) {
+#pragma unroll
+      for (int np = 0; np < kPairs; ++np) {
+        uint32_t bs[4];
+        Ldsm4T(bs, bk.Addr(kOffS + q * kPlane, 16 * ks, 8 * kN0 + 16 * np, bk.off_bt));
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          if (2 * np + h2 >= kNt) continue;
+          Mma(q == 0 ? hi[2 * np + h2] : lo[2 * np + h2], a, bs[2 * h2], bs[2 * h2 + 1]);
+        }
+      }
+    }
+  }
+  float lt[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = 16 * i + g + 8 * hr;
+    lt[hr] = bk.lam()[row];
+    if (kGated) {
+      const float wt = bk.wq()[row];
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          hi[nt][2 * hr + e1] = wt * (hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1]);
+          lo[nt][2 * hr + e1] = 0.f;
+        }
+    }
+  }
+  // Causal sum over key blocks j <= i.
+  for (int j = 0; j <= i; ++j) {
+    float sc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
+    for (int ks = 0; ks < bk.kr; ++ks) {
+      uint32_t a[4], bp[4];
+      Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
+      Ldsm4(bp, bk.Addr(kPsi * kTile, 16 * j, 16 * ks, bk.off_bn));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) Mma(sc[nt], a, bp[2 * nt], bp[2 * nt + 1]);
+    }
+    // X[t, s] = W[t, s] A[t, s] for s <= t < ce; the mask only where the tile
+    // holds pairs outside (the diagonal block or the chunk's last block).
+    if (kGated) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int s = 16 * j + 8 * nt + 2 * tq + (e & 1);
+          sc[nt][e] *= expf(lt[e >> 1] - bk.lam()[s]);
+        }
+    }
+    if (j == i || 16 * i + 16 > bk.ce) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
+          if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
+        }
+    }
+    uint32_t xa[3][4];
+    SplitTile(sc, xa);
+#pragma unroll
+    for (int np = 0; np < kPairs; ++np) {
+      uint32_t bv[4];
+      Ldsm4T(bv, bk.Addr(kV * kTile, 16 * j, 8 * kN0 + 16 * np, bk.off_bt));
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        if (2 * np + h2 >= kNt) continue;
+        Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bv[2 * h2], bv[2 * h2 + 1]);
+      }
+    }
+  }
+  // ybar[t][n] = hi + lo for t < ce, n < p (rows of p = dv + 1 floats).
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = 16 * i + g + 8 * hr;
+    if (m >= bk.ce) continue;
+    float* o = ybar + TokenRow(d, b, c0 + m, h) * bk.p;
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int n = 8 * (kN0 + nt) + 2 * tq + e1;
+        if (n < bk.p) o[n] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+      }
+  }
+}
+
+// grid (Lc, batch * H), kThreads threads, kSmemBytes of shared memory.
+template <bool kGated>
+__global__ void __launch_bounds__(kThreads, 2)
+    ChunkForwardFusedKernel(SmatCudaDims d, bool vec_in, const __nv_bfloat16* __restrict__ phi,
+                            const __nv_bfloat16* __restrict__ psi,
+                            const __nv_bfloat16* __restrict__ v, const float* __restrict__ lam,
+                            const float* __restrict__ S_in, float* __restrict__ ybar) {
+  extern __shared__ float4 smem4[];
+  __nv_bfloat16* base = reinterpret_cast<__nv_bfloat16*>(smem4);
+  float* lam_s = reinterpret_cast<float*>(base + kOffTokens);
+  float* wq = lam_s + kC;
+  const int tid = threadIdx.x;
+  const int64_t k = blockIdx.x;
+  const int b = blockIdx.y / d.H, h = blockIdx.y % d.H;
+  const int64_t c0 = k * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
+  const int r = d.r, dv = d.dv, p = d.p;
+  const int64_t tok = TokenRow(d, b, c0, h);
+  const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
+
+  // ---- staging ----
+  StageRows(phi + tok * r, stride_r, r, ce, vec_in, base + kPhi * kTile);
+  StageRows(psi + tok * r, stride_r, r, ce, vec_in, base + kPsi * kTile);
+  StageRows(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
+  {
+    // S_in[k] in three bf16 planes [kW][kLd]; zero outside r x p. All loads of
+    // a thread issue before the first use (clamped indices, no branches).
+    const float* S = S_in + ChunkRow(d, b, k, h) * static_cast<int64_t>(r) * p;
+    constexpr int kBatch = 18;  // kW * kLd / kThreads
+    float x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = tid + u * kThreads, row = e / kLd, n = e - row * kLd;
+      const float y = __ldg(&S[min(row, r - 1) * p + min(n, p - 1)]);
+      x[u] = row < r && n < p ? y : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = tid + u * kThreads;
+      const __nv_bfloat16 x1 = __float2bfloat16_rn(x[u]);
+      const float r1 = x[u] - __bfloat162float(x1);
+      const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
+      base[kOffS + e] = x1;
+      base[kOffS + kPlane + e] = x2;
+      base[kOffS + 2 * kPlane + e] = __float2bfloat16_rn(r1 - __bfloat162float(x2));
+    }
+  }
+  if (tid < kC) {
+    const float l = kGated && tid < ce ? __ldg(&lam[tok + static_cast<int64_t>(tid) * d.H]) : 0.f;
+    lam_s[tid] = l;
+    wq[tid] = kGated ? expf(l) : 1.f;
+  }
+  if (vec_in) CpAsyncWaitAll();
+  __syncthreads();
+  // vbar columns dv .. kLd - 1 (after the staging, which zeroes up to kW):
+  // the ones in column dv for tokens < ce, else 0.
+  for (int e = tid; e < kC * (kLd - dv); e += kThreads) {
+    const int t = e / (kLd - dv), n = dv + (e - t * (kLd - dv));
+    base[kV * kTile + t * kLd + n] = __float2bfloat16_rn(t < ce && n == dv ? 1.f : 0.f);
+  }
+  __syncthreads();
+
+  Block bk;
+  bk.base = base;
+  bk.ce = ce;
+  bk.nb = (ce + 15) >> 4;
+  bk.r = r;
+  bk.p = p;
+  bk.kr = (r + 15) >> 4;
+  const int lane = tid & 31;
+  bk.g = lane >> 2;
+  bk.tq = lane & 3;
+  bk.off_a = (lane & 15) * kLd + (lane >> 4) * 8;
+  bk.off_bn = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
+  bk.off_bt = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
+  const int w = tid >> 5;
+  if (w < bk.nb) QueryRows<kGated, 0, 4>(bk, d, b, h, c0, w, ybar);
+  if (7 - w < bk.nb && p > 32) QueryRows<kGated, 4, 5>(bk, d, b, h, c0, 7 - w, ybar);
+}
+
+template <bool kGated>
+cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
+                        const float* lam, const float* S_in, float* ybar, cudaStream_t stream) {
+  auto kernel = ChunkForwardFusedKernel<kGated>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess) return err;
+  const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
+                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
+  const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(
+      d, vec, static_cast<const __nv_bfloat16*>(phi), static_cast<const __nv_bfloat16*>(psi),
+      static_cast<const __nv_bfloat16*>(v), lam, S_in, ybar);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool SmatChunkForwardFusedFits(const SmatCudaDims& d) {
+  if (!d.bf16 || !SmatChunkFastTilesFit(d)) return false;
+  int dev = 0, major = 0, smem = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
+    return false;
+  }
+  return major >= 8 && smem >= kSmemBytes;
+}
+
+cudaError_t LaunchSmatChunkOutputsForwardFused(const SmatCudaDims& d, const void* phi,
+                                               const void* psi, const void* v, const float* lam,
+                                               const float* S_in, float* ybar,
+                                               cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  return lam != nullptr ? LaunchGated<true>(d, phi, psi, v, lam, S_in, ybar, stream)
+                        : LaunchGated<false>(d, phi, psi, v, lam, S_in, ybar, stream);
+}
+
+}  // namespace smat
