@@ -176,42 +176,21 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
 }
 
 // ---- F8 ---------------------------------------------------------------------------
-// One warp per row (grid-stride over rows): den read once per row, two
-// outputs per lane, bf16 outputs stored as pairs. Each value is ybar / den,
-// rounded as before (the same bits as one thread per element).
 __global__ void NormalizeKernel(SmatCudaDims d, const float* __restrict__ ybar, float eps,
                                 void* __restrict__ o, bool o_bf16, float* __restrict__ den) {
   const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
-  const int lane = threadIdx.x & 31, dv = d.dv;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const bool pairs = (dv & 1) == 0;  // row starts even: pair stores are aligned
-  for (int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-       row < rows; row += warps) {
-    const float* y = ybar + row * d.p;
-    const float dn = y[dv] + eps;
-    const int64_t base = row * dv;
-    for (int j = 2 * lane; j < dv; j += 64) {
-      const float v0 = y[j] / dn;
-      if (pairs) {  // j + 1 < dv
-        const float v1 = y[j + 1] / dn;
-        if (o_bf16) {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(o) + base + j) =
-              __floats2bfloat162_rn(v0, v1);
-        } else {
-          *reinterpret_cast<float2*>(static_cast<float*>(o) + base + j) = make_float2(v0, v1);
-        }
-      } else {
-        for (int e = 0; e < 2 && j + e < dv; ++e) {
-          const float val = e == 0 ? v0 : y[j + 1] / dn;
-          if (o_bf16) {
-            static_cast<__nv_bfloat16*>(o)[base + j + e] = __float2bfloat16(val);
-          } else {
-            static_cast<float*>(o)[base + j + e] = val;
-          }
-        }
-      }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       idx < rows * d.dv; idx += stride) {
+    const int64_t row = idx / d.dv, j = idx % d.dv;
+    const float dn = ybar[row * d.p + d.dv] + eps;
+    const float val = ybar[row * d.p + j] / dn;
+    if (o_bf16) {
+      static_cast<__nv_bfloat16*>(o)[idx] = __float2bfloat16(val);
+    } else {
+      static_cast<float*>(o)[idx] = val;
     }
-    if (lane == 0) den[row] = dn;
+    if (j == 0) den[row] = dn;
   }
 }
 
@@ -329,9 +308,9 @@ cudaError_t LaunchSmatChunkScanBackward(const SmatCudaDims& d, const float* S_in
 
 cudaError_t LaunchSmatNormalize(const SmatCudaDims& d, const float* ybar, float eps, void* o,
                                 bool o_bf16, float* den, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
-  if (rows == 0 || d.dv == 0) return cudaSuccess;
-  const int grid = static_cast<int>(cuda_detail::Min64(GridFor(rows * 32, kThreads), 132 * 64));
+  const int64_t n = static_cast<int64_t>(d.batch) * d.L * d.H * d.dv;
+  if (n == 0) return cudaSuccess;
+  const int grid = static_cast<int>(cuda_detail::Min64(GridFor(n, kThreads), 132 * 32));
   NormalizeKernel<<<grid, kThreads, 0, stream>>>(d, ybar, eps, o, o_bf16, den);
   return cudaGetLastError();
 }
