@@ -23,6 +23,10 @@
 // exp(lam_t) first. The den column (dv) is the ones column of vbar and column
 // dv of S_in, like any other.
 //
+// Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
+// 2026-12-01): 1.72 ms (60 TFLOP/s of exact-product FLOPs, 1.9 TB/s), against
+// 4.95 ms for the tile of smat_chunk_mma.cu and 6.04 ms with FFMA; gated 2.21.
+//
 // Exactness: as smat_chunk_mma.cu (every fp32 operand in three parts, the
 // correction terms in an accumulator of their own): within 1e-5 of the CPU
 // phase; a fixed summation order and no atomics, so the same inputs give the

@@ -530,7 +530,8 @@ constexpr bool kMmaBackwardBf16ByDefault = true;
 constexpr bool kMmaBackwardF32ByDefault = false;
 // The forward of bf16 inputs on tensor cores: the fused kernel of
 // smat_chunk_fwd_mma.cu (cp.async staging, ldmatrix, two blocks per SM)
-// rather than the tile below.
+// rather than the tile below: 1.72 ms against 4.95 ms at the shape above
+// (gated 2.21 ms; H200, 2026-12-01).
 constexpr bool kFusedForwardBf16 = true;
 
 template <Kind kKind, typename In>
