@@ -214,9 +214,8 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
 #pragma unroll
       for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
     if (32 * nh < r) {
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        if (ks >= bk.kd) continue;
+#pragma unroll 1
+      for (int ks = 0; ks < bk.kd; ++ks) {
         uint32_t a[3][4];
 #pragma unroll
         for (int q = 0; q < 3; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
@@ -313,9 +312,8 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
 #pragma unroll
       for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
     if (32 * nh < r) {
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        if (ks >= bk.kd) continue;
+#pragma unroll 1
+      for (int ks = 0; ks < bk.kd; ++ks) {
         uint32_t a[4];
         Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
         float x[4][4];
@@ -415,9 +413,8 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (ks >= bk.kr) continue;
+#pragma unroll 1
+    for (int ks = 0; ks < bk.kr; ++ks) {
       uint32_t a[4];
       Ldsm4(a, bk.Addr(kPsi, 16 * j, 16 * ks, bk.off_a));
       float x[4][4];
@@ -622,9 +619,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (w < bk.nb) {
     QueryRows<kGated>(bk, d, b, h, c0, w, Sk, phi_bar);
     KeyRowsPsi<kGated>(bk, d, b, h, c0, w, Dk, psi_bar);
-    KeyRowsV<kGated>(bk, d, b, h, c0, w, 0, Dk, v_bar);
   }
-  if (7 - w < bk.nb && dv > 32) KeyRowsV<kGated>(bk, d, b, h, c0, 7 - w, 1, Dk, v_bar);
+  // One call site for both v_bar halves keeps the kernel's code small.
+#pragma unroll 1
+  for (int hf = 0; hf < 2; ++hf) {
+    const int j = hf == 0 ? w : 7 - w;
+    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kGated>(bk, d, b, h, c0, j, hf, Dk, v_bar);
+  }
 }
 
 template <bool kGated>
