@@ -43,12 +43,14 @@
 // same inputs give the same bits, within 1e-5 of the CPU phases
 // (tests/gpu/smat_gpu_test.cc).
 //
-// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 13.9 ms
-// against 21.7 ms for the three FFMA tiles (gated 14.5 against 22.5). Per
+// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 8.5 ms,
+// gated and not, against 21.7 ms for the three FFMA tiles (gated 22.5). Per
 // (chunk, b * H) the kernel issues 8832 MMAs (the splits make that about five
-// times the FLOPs of an exact product), so 13.9 ms is about 85 TFLOP/s of
-// mma.sync, far below the tensor cores' rate: the warps mostly wait. 124
-// registers (ungated; 128 gated), no spills, 113,152 bytes of shared memory.
+// times the FLOPs of an exact product): about 140 TFLOP/s of mma.sync. The
+// kernel is instruction-fetch sensitive: at 174 KB of code (every loop
+// unrolled) it took 13.9 ms, at 84 KB 11.1 ms ungated and 8.5 gated, hence
+// the loops kept rolled below and one code path for gated and ungated inputs.
+// 128 registers (8 bytes spilled), 113,152 bytes of shared memory.
 #include <cuda_bf16.h>
 
 #include <cstdint>

@@ -522,8 +522,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // 6 MMAs and splits on every fragment load: 7.94 against 6.71. Backward, fp32
 // inputs: the three tiles below took 35.9 ms against 21.7 ms (see
 // docs/PERFORMANCE.md for why); bf16 inputs: the fused kernel of
-// smat_chunk_bwd_mma.cu (one staging for all three outputs), 13.9 ms against
-// 21.7 ms with FFMA (gated 14.5 against 22.5; 2026-12-01).
+// smat_chunk_bwd_mma.cu (one staging for all three outputs), 8.5 ms against
+// 21.7 ms with FFMA (gated 8.5 against 22.5; 2026-12-01).
 constexpr bool kMmaForwardBf16ByDefault = true;
 constexpr bool kMmaForwardF32ByDefault = false;
 constexpr bool kMmaBackwardBf16ByDefault = true;
