@@ -70,6 +70,22 @@ class ModelKernels {
                                        const Tensor& dy, Tensor& dx, Tensor& d_weight,
                                        Stream* stream = nullptr) = 0;
 
+  // The residual add before a norm and the add of the residual path's gradient
+  // after its backward, each in the norm's pass over the rows (the same bits
+  // as the separate ops):
+  // sum = a + b (ResidualAdd; sum may alias a or b), then RmsNormForward(sum,
+  // weight, eps, y, rstd). y aliases none of a, b, sum.
+  virtual absl::Status AddRmsNormForward(const Tensor& a, const Tensor& b, const Tensor& weight,
+                                         float eps, Tensor& sum, Tensor& y, Tensor& rstd,
+                                         Stream* stream = nullptr) = 0;
+  // RmsNormBackward(x, weight, rstd, dy, dx, d_weight), then dx += d_residual
+  // (ResidualAdd(dx, d_residual, dx)). d_residual fp32 [N, W]; dx aliases
+  // neither dy nor d_residual.
+  virtual absl::Status RmsNormBackwardAdd(const Tensor& x, const Tensor& weight,
+                                          const Tensor& rstd, const Tensor& dy,
+                                          const Tensor& d_residual, Tensor& dx,
+                                          Tensor& d_weight, Stream* stream = nullptr) = 0;
+
   // --- SwiGLU ---------------------------------------------------------------------
   // y = silu(gate) * up, silu(a) = a * sigmoid(a).  gate, up, y [N, F]; gate
   // and up fp32 or bf16 (one dtype; bf16 read exactly), y fp32 or bf16.
@@ -95,7 +111,7 @@ class ModelKernels {
   virtual absl::Status NegSoftplusBackward(const Tensor& x, const Tensor& dy, Tensor& dx,
                                            Stream* stream = nullptr) = 0;
   // y[i, h, :] = x[i, h, :] * sigmoid(g[i, h]).  x [N, H, r], g [N, H], y [N, H, r]
-  // (the key gate folded into psi; y may alias x).
+  // fp32 or bf16 (the key gate folded into psi; y may alias x when fp32).
   virtual absl::Status SigmoidScaleForward(const Tensor& x, const Tensor& g, Tensor& y,
                                            Stream* stream = nullptr) = 0;
   // dx = sigmoid(g) dy, dg[i, h] = sigmoid'(g) sum_j x[i, h, j] dy[i, h, j]
@@ -161,6 +177,16 @@ class ModelKernels {
   virtual absl::Status NarrowLinearBackward(const Tensor& x, const Tensor& w, const Tensor& dy,
                                             Tensor& dx, bool accumulate_dx, Tensor& d_w,
                                             Tensor& d_bias, Stream* stream = nullptr) = 0;
+
+  // The backward of y = softplus(ShortConv(x)) in one pass: exactly
+  // SoftplusBackward(z, dy, g) then ShortConvBackward(x, prefix, w, g, ...),
+  // z [batch, L, C] fp32 the conv's output (the softplus input the forward
+  // kept), dy the gradient at y; the other operands as ShortConvBackward's.
+  // dx aliases none of x, z, dy.
+  virtual absl::Status ShortConvSoftplusBackward(const Tensor& x, const Tensor& prefix,
+                                                 const Tensor& w, const Tensor& z,
+                                                 const Tensor& dy, Tensor& dx, Tensor& d_prefix,
+                                                 Tensor& d_w, Stream* stream = nullptr) = 0;
 
   // --- fused, chunked cross-entropy ----------------------------------------------------
   // Loss of the LM head without a [N, V] logits tensor: tokens are processed in

@@ -169,9 +169,11 @@ absl::StatusOr<VocabDims> CheckEmbedding(const char* op, NamedTensor matrix, con
   return VocabDims{N, vw.rows, vw.cols};
 }
 
-absl::StatusOr<RowsCols> CheckRmsNormForward(const Tensor& x, const Tensor& weight, const Tensor& y,
-                                             const Tensor& rstd, Device device) {
-  constexpr const char* kOp = "RmsNormForward";
+namespace {
+
+absl::StatusOr<RowsCols> CheckRmsNormForwardOf(const char* kOp, const Tensor& x,
+                                               const Tensor& weight, const Tensor& y,
+                                               const Tensor& rstd, Device device) {
   SMAT_ASSIGN_OR_RETURN(RowsCols nw, Matrix(x, kOp, "x", device));
   const auto [N, W] = nw;
   SMAT_RETURN_IF_ERROR(Expect(weight, DType::kF32, {W}, kOp, "weight", device));
@@ -180,11 +182,10 @@ absl::StatusOr<RowsCols> CheckRmsNormForward(const Tensor& x, const Tensor& weig
   return nw;
 }
 
-absl::StatusOr<RowsCols> CheckRmsNormBackward(const Tensor& x, const Tensor& weight,
-                                              const Tensor& rstd, const Tensor& dy,
-                                              const Tensor& dx, const Tensor& d_weight,
-                                              Device device) {
-  constexpr const char* kOp = "RmsNormBackward";
+absl::StatusOr<RowsCols> CheckRmsNormBackwardOf(const char* kOp, const Tensor& x,
+                                                const Tensor& weight, const Tensor& rstd,
+                                                const Tensor& dy, const Tensor& dx,
+                                                const Tensor& d_weight, Device device) {
   SMAT_ASSIGN_OR_RETURN(RowsCols nw, Matrix(x, kOp, "x", device));
   const auto [N, W] = nw;
   SMAT_RETURN_IF_ERROR(Expect(weight, DType::kF32, {W}, kOp, "weight", device));
@@ -195,11 +196,63 @@ absl::StatusOr<RowsCols> CheckRmsNormBackward(const Tensor& x, const Tensor& wei
   return nw;
 }
 
+// out must not start where `in` does (the kernels read `in` while writing out).
+absl::Status ExpectDistinct(const Tensor& in, const Tensor& out, const char* op,
+                            const char* in_name, const char* out_name) {
+  if (in.numel() > 0 && out.numel() > 0 && in.raw() == out.raw()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ", out_name, " may not alias ", in_name));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<RowsCols> CheckRmsNormForward(const Tensor& x, const Tensor& weight, const Tensor& y,
+                                             const Tensor& rstd, Device device) {
+  return CheckRmsNormForwardOf("RmsNormForward", x, weight, y, rstd, device);
+}
+
+absl::StatusOr<RowsCols> CheckRmsNormBackward(const Tensor& x, const Tensor& weight,
+                                              const Tensor& rstd, const Tensor& dy,
+                                              const Tensor& dx, const Tensor& d_weight,
+                                              Device device) {
+  return CheckRmsNormBackwardOf("RmsNormBackward", x, weight, rstd, dy, dx, d_weight, device);
+}
+
+absl::StatusOr<RowsCols> CheckAddRmsNormForward(const Tensor& a, const Tensor& b,
+                                                const Tensor& weight, const Tensor& sum,
+                                                const Tensor& y, const Tensor& rstd,
+                                                Device device) {
+  constexpr const char* kOp = "AddRmsNormForward";
+  SMAT_RETURN_IF_ERROR(CheckElementwise(kOp, {{a, "a"}, {b, "b"}, {sum, "sum"}}, device));
+  SMAT_ASSIGN_OR_RETURN(RowsCols nw, CheckRmsNormForwardOf(kOp, sum, weight, y, rstd, device));
+  for (const NamedTensor& t : {NamedTensor{a, "a"}, NamedTensor{b, "b"}, NamedTensor{sum, "sum"}}) {
+    SMAT_RETURN_IF_ERROR(ExpectDistinct(t.tensor, y, kOp, t.name, "y"));
+  }
+  return nw;
+}
+
+absl::StatusOr<RowsCols> CheckRmsNormBackwardAdd(const Tensor& x, const Tensor& weight,
+                                                 const Tensor& rstd, const Tensor& dy,
+                                                 const Tensor& d_residual, const Tensor& dx,
+                                                 const Tensor& d_weight, Device device) {
+  constexpr const char* kOp = "RmsNormBackwardAdd";
+  SMAT_ASSIGN_OR_RETURN(RowsCols nw,
+                        CheckRmsNormBackwardOf(kOp, x, weight, rstd, dy, dx, d_weight, device));
+  SMAT_RETURN_IF_ERROR(
+      Expect(d_residual, DType::kF32, {nw.rows, nw.cols}, kOp, "d_residual", device));
+  SMAT_RETURN_IF_ERROR(ExpectDistinct(dy, dx, kOp, "dy", "dx"));
+  SMAT_RETURN_IF_ERROR(ExpectDistinct(d_residual, dx, kOp, "d_residual", "dx"));
+  return nw;
+}
+
 absl::StatusOr<Dims3> CheckSigmoidScaleForward(const Tensor& x, const Tensor& g, const Tensor& y,
                                                Device device) {
   constexpr const char* kOp = "SigmoidScaleForward";
   SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckSigmoidScaleInputs(x, g, kOp, device));
-  SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {d.d0, d.d1, d.d2}, kOp, "y", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(y, {d.d0, d.d1, d.d2}, kOp, "y", device));
+  SMAT_RETURN_IF_ERROR(ExpectNoMixedAlias(x, y, kOp, "x", "y"));
   return d;
 }
 
@@ -234,6 +287,26 @@ absl::StatusOr<Dims3> CheckShortConvBackward(const Tensor& x, const Tensor& pref
   SMAT_RETURN_IF_ERROR(ExpectFloat(dx, {nb, L, C}, kOp, "dx", device));
   SMAT_RETURN_IF_ERROR(Expect(d_prefix, DType::kF32, {nb, K - 1, C}, kOp, "d_prefix", device));
   SMAT_RETURN_IF_ERROR(Expect(d_w, DType::kF32, {K, C}, kOp, "d_w", device));
+  return d;
+}
+
+absl::StatusOr<Dims3> CheckShortConvSoftplusBackward(const Tensor& x, const Tensor& prefix,
+                                                     const Tensor& w, const Tensor& z,
+                                                     const Tensor& dy, const Tensor& dx,
+                                                     const Tensor& d_prefix, const Tensor& d_w,
+                                                     Device device) {
+  constexpr const char* kOp = "ShortConvSoftplusBackward";
+  constexpr int64_t K = kShortConvWidth;
+  SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvInputs(x, prefix, w, kOp, device));
+  const auto [nb, L, C] = d;
+  SMAT_RETURN_IF_ERROR(Expect(z, DType::kF32, {nb, L, C}, kOp, "z", device));
+  SMAT_RETURN_IF_ERROR(Expect(dy, DType::kF32, {nb, L, C}, kOp, "dy", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(dx, {nb, L, C}, kOp, "dx", device));
+  SMAT_RETURN_IF_ERROR(Expect(d_prefix, DType::kF32, {nb, K - 1, C}, kOp, "d_prefix", device));
+  SMAT_RETURN_IF_ERROR(Expect(d_w, DType::kF32, {K, C}, kOp, "d_w", device));
+  for (const NamedTensor& t : {NamedTensor{x, "x"}, NamedTensor{z, "z"}, NamedTensor{dy, "dy"}}) {
+    SMAT_RETURN_IF_ERROR(ExpectDistinct(t.tensor, dx, kOp, t.name, "dx"));
+  }
   return d;
 }
 
@@ -341,16 +414,6 @@ absl::StatusOr<Dims3> CheckNarrowOperands(const char* op, const Tensor& x, const
   return d;
 }
 
-// out must not start where `in` does (the kernels read `in` while writing out).
-absl::Status ExpectNoAlias(const Tensor& in, const Tensor& out, const char* op,
-                           const char* in_name, const char* out_name) {
-  if (in.numel() > 0 && out.numel() > 0 && in.raw() == out.raw()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": ", out_name, " may not alias ", in_name));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<Dims3> CheckNarrowLinearForward(const Tensor& x, const Tensor& w,
@@ -360,7 +423,7 @@ absl::StatusOr<Dims3> CheckNarrowLinearForward(const Tensor& x, const Tensor& w,
   SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckNarrowOperands(kOp, x, w, device));
   if (bias.defined()) SMAT_RETURN_IF_ERROR(Expect(bias, DType::kF32, {d.d2}, kOp, "bias", device));
   SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {d.d0, d.d2}, kOp, "y", device));
-  SMAT_RETURN_IF_ERROR(ExpectNoAlias(x, y, kOp, "x", "y"));
+  SMAT_RETURN_IF_ERROR(ExpectDistinct(x, y, kOp, "x", "y"));
   return d;
 }
 
@@ -376,8 +439,8 @@ absl::StatusOr<Dims3> CheckNarrowLinearBackward(const Tensor& x, const Tensor& w
   if (d_bias.defined()) {
     SMAT_RETURN_IF_ERROR(Expect(d_bias, DType::kF32, {d.d2}, kOp, "d_bias", device));
   }
-  SMAT_RETURN_IF_ERROR(ExpectNoAlias(x, dx, kOp, "x", "dx"));
-  SMAT_RETURN_IF_ERROR(ExpectNoAlias(dy, dx, kOp, "dy", "dx"));
+  SMAT_RETURN_IF_ERROR(ExpectDistinct(x, dx, kOp, "x", "dx"));
+  SMAT_RETURN_IF_ERROR(ExpectDistinct(dy, dx, kOp, "dy", "dx"));
   return d;
 }
 

@@ -88,7 +88,23 @@ absl::StatusOr<RowsCols> CheckRmsNormBackward(const Tensor& x, const Tensor& wei
                                               const Tensor& dx, const Tensor& d_weight,
                                               Device device);
 
-// SigmoidScaleForward: x [N, H, r], g [N, H], y [N, H, r]. Returns {N, H, r}.
+// AddRmsNormForward: a, b, sum fp32 [N, W] (as CheckElementwise), then sum,
+// weight, y, rstd as RmsNormForward's x, weight, y, rstd; y aliasing none of
+// a, b, sum. Returns {N, W}.
+absl::StatusOr<RowsCols> CheckAddRmsNormForward(const Tensor& a, const Tensor& b,
+                                                const Tensor& weight, const Tensor& sum,
+                                                const Tensor& y, const Tensor& rstd,
+                                                Device device);
+
+// RmsNormBackwardAdd: the operands of RmsNormBackward and d_residual fp32
+// [N, W]; dx aliasing neither dy nor d_residual. Returns {N, W}.
+absl::StatusOr<RowsCols> CheckRmsNormBackwardAdd(const Tensor& x, const Tensor& weight,
+                                                 const Tensor& rstd, const Tensor& dy,
+                                                 const Tensor& d_residual, const Tensor& dx,
+                                                 const Tensor& d_weight, Device device);
+
+// SigmoidScaleForward: x [N, H, r], g [N, H], y [N, H, r] fp32 or bf16 (aliasing
+// x only when fp32). Returns {N, H, r}.
 absl::StatusOr<Dims3> CheckSigmoidScaleForward(const Tensor& x, const Tensor& g, const Tensor& y,
                                                Device device);
 
@@ -108,6 +124,14 @@ absl::StatusOr<Dims3> CheckShortConvBackward(const Tensor& x, const Tensor& pref
                                              const Tensor& dy, const Tensor& dx,
                                              const Tensor& d_prefix, const Tensor& d_w,
                                              Device device);
+
+// ShortConvSoftplusBackward: the operands of ShortConvBackward and z fp32
+// [batch, L, C]; dx aliasing none of x, z, dy. Returns {batch, L, C}.
+absl::StatusOr<Dims3> CheckShortConvSoftplusBackward(const Tensor& x, const Tensor& prefix,
+                                                     const Tensor& w, const Tensor& z,
+                                                     const Tensor& dy, const Tensor& dx,
+                                                     const Tensor& d_prefix, const Tensor& d_w,
+                                                     Device device);
 
 // CrossEntropyForward: h [N, W], w_head [V, W], targets int32 [N], weights and
 // lse fp32 [N], chunk_tokens >= 1 and a loss_sum to write. The targets' values

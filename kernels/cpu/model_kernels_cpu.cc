@@ -141,6 +141,22 @@ class CpuModelKernels final : public ModelKernels {
     return absl::OkStatus();
   }
 
+  absl::Status AddRmsNormForward(const Tensor& a, const Tensor& b, const Tensor& weight, float eps,
+                                 Tensor& sum, Tensor& y, Tensor& rstd, Stream*) override {
+    SMAT_RETURN_IF_ERROR(CheckAddRmsNormForward(a, b, weight, sum, y, rstd, kHost).status());
+    SMAT_RETURN_IF_ERROR(ResidualAdd(a, b, sum, nullptr));
+    return RmsNormForward(sum, weight, eps, y, rstd, nullptr);
+  }
+
+  absl::Status RmsNormBackwardAdd(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                  const Tensor& dy, const Tensor& d_residual, Tensor& dx,
+                                  Tensor& d_weight, Stream*) override {
+    SMAT_RETURN_IF_ERROR(
+        CheckRmsNormBackwardAdd(x, weight, rstd, dy, d_residual, dx, d_weight, kHost).status());
+    SMAT_RETURN_IF_ERROR(RmsNormBackward(x, weight, rstd, dy, dx, d_weight, nullptr));
+    return ResidualAdd(dx, d_residual, dx, nullptr);
+  }
+
   absl::Status SwiGluForward(const Tensor& gate, const Tensor& up, Tensor& y, Stream*) override {
     SMAT_ASSIGN_OR_RETURN(RowsCols nf, CheckSwiGluForward(gate, up, y, kHost));
     const int64_t n = nf.rows * nf.cols;
@@ -209,10 +225,10 @@ class CpuModelKernels final : public ModelKernels {
     const auto [N, H, r] = d;
     const float* xp = x.data<float>();  // [N, H, r]
     const float* gp = g.data<float>();  // [N, H]
-    float* yp = y.data<float>();        // [N, H, r]
+    const FloatOut yp(y);               // [N, H, r]
     for (int64_t i = 0; i < N * H; ++i) {
       const float s = Sigmoid(gp[i]);
-      for (int64_t j = 0; j < r; ++j) yp[i * r + j] = xp[i * r + j] * s;
+      for (int64_t j = 0; j < r; ++j) yp.Set(i * r + j, xp[i * r + j] * s);
     }
     return absl::OkStatus();
   }
@@ -378,6 +394,16 @@ class CpuModelKernels final : public ModelKernels {
       }
     }
     return absl::OkStatus();
+  }
+
+  absl::Status ShortConvSoftplusBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
+                                         const Tensor& z, const Tensor& dy, Tensor& dx,
+                                         Tensor& d_prefix, Tensor& d_w, Stream*) override {
+    SMAT_RETURN_IF_ERROR(
+        CheckShortConvSoftplusBackward(x, prefix, w, z, dy, dx, d_prefix, d_w, kHost).status());
+    SMAT_ASSIGN_OR_RETURN(Tensor g, Tensor::Empty(dy.shape(), DType::kF32));
+    SMAT_RETURN_IF_ERROR(SoftplusBackward(z, dy, g, nullptr));
+    return ShortConvBackward(x, prefix, w, g, dx, d_prefix, d_w, nullptr);
   }
 
   absl::Status NarrowLinearForward(const Tensor& x, const Tensor& w, const Tensor& bias,

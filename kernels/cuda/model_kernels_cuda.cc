@@ -125,9 +125,35 @@ class CudaModelKernels final : public ModelKernels {
     // dx may overwrite x: each element of x is read before it is written.
     Scratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials, scratch.Get<float>(RmsNormBackwardPartials(N, W) * W));
-    return CudaStatus(LaunchRmsNormBackward(F32(x), F32(weight), F32(rstd), F32(dy), F32(dx),
-                                            F32(d_weight), partials, N, W, s),
+    return CudaStatus(LaunchRmsNormBackward(F32(x), F32(weight), F32(rstd), F32(dy), nullptr,
+                                            F32(dx), F32(d_weight), partials, N, W, s),
                       "RmsNormBackward kernel");
+  }
+
+  absl::Status AddRmsNormForward(const Tensor& a, const Tensor& b, const Tensor& weight, float eps,
+                                 Tensor& sum, Tensor& y, Tensor& rstd, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(RowsCols nw,
+                          CheckAddRmsNormForward(a, b, weight, sum, y, rstd, device()));
+    const auto [N, W] = nw;
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    return CudaStatus(LaunchAddRmsNormForward(F32(a), F32(b), F32(sum), F32(weight), eps, y.raw(),
+                                              IsBf16(y), F32(rstd), N, W, s),
+                      "AddRmsNormForward kernel");
+  }
+
+  absl::Status RmsNormBackwardAdd(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                  const Tensor& dy, const Tensor& d_residual, Tensor& dx,
+                                  Tensor& d_weight, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(RowsCols nw, CheckRmsNormBackwardAdd(x, weight, rstd, dy, d_residual,
+                                                               dx, d_weight, device()));
+    const auto [N, W] = nw;
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    Scratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(float* partials, scratch.Get<float>(RmsNormBackwardPartials(N, W) * W));
+    return CudaStatus(LaunchRmsNormBackward(F32(x), F32(weight), F32(rstd), F32(dy),
+                                            F32(d_residual), F32(dx), F32(d_weight), partials, N,
+                                            W, s),
+                      "RmsNormBackwardAdd kernel");
   }
 
   // --------------------------------------------------------------- SwiGLU, residual
@@ -203,7 +229,7 @@ class CudaModelKernels final : public ModelKernels {
     const auto [N, H, r] = d;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     return CudaStatus(
-        LaunchSigmoidScaleForward(F32(x), F32(g), F32(y), N * H, r, max_blocks_, s),
+        LaunchSigmoidScaleForward(F32(x), F32(g), y.raw(), IsBf16(y), N * H, r, max_blocks_, s),
         "SigmoidScaleForward kernel");
   }
 
@@ -266,10 +292,30 @@ class CudaModelKernels final : public ModelKernels {
     Scratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials,
                           scratch.Get<float>(ShortConvBackwardPartials(nb, L) * K * C));
-    return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), dx.raw(),
-                                              IsBf16(dx), F32(d_prefix), F32(d_w), partials, nb,
-                                              L, C, s),
+    return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), nullptr,
+                                              dx.raw(), IsBf16(dx), F32(d_prefix), F32(d_w),
+                                              partials, nb, L, C, s),
                       "ShortConvBackward kernel");
+  }
+
+  absl::Status ShortConvSoftplusBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
+                                         const Tensor& z, const Tensor& dy, Tensor& dx,
+                                         Tensor& d_prefix, Tensor& d_w, Stream* stream) override {
+    constexpr int64_t K = kShortConvWidth;
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvSoftplusBackward(x, prefix, w, z, dy, dx,
+                                                                  d_prefix, d_w, device()));
+    const auto [nb, L, C] = d;
+    if (nb * L * C > 0 && (dx.raw() == dy.raw() || dx.raw() == x.raw())) {
+      return absl::InvalidArgumentError("ShortConvSoftplusBackward: dx may not alias dy or x");
+    }
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    Scratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(float* partials,
+                          scratch.Get<float>(ShortConvBackwardPartials(nb, L) * K * C));
+    return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), F32(z),
+                                              dx.raw(), IsBf16(dx), F32(d_prefix), F32(d_w),
+                                              partials, nb, L, C, s),
+                      "ShortConvSoftplusBackward kernel");
   }
 
   // --------------------------------------------------------------- narrow linear layer
@@ -297,7 +343,7 @@ class CudaModelKernels final : public ModelKernels {
     return CudaStatus(LaunchNarrowLinearBackward(
                           x.raw(), IsBf16(x), w.raw(), IsBf16(w), F32(dy), F32(dx), accumulate_dx,
                           F32(d_w), d_bias.defined() ? F32(d_bias) : nullptr, partials, N, in,
-                          static_cast<int>(out), max_blocks_, s),
+                          static_cast<int>(out), s),
                       "NarrowLinearBackward kernels");
   }
 

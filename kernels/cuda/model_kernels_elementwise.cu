@@ -234,12 +234,15 @@ __device__ __forceinline__ int64_t WarpRow() {
   return static_cast<int64_t>(blockIdx.x) * kFeatureRowWarps + threadIdx.x / kWarp;
 }
 
-__global__ void SigmoidScaleForwardKernel(const float* x, const float* __restrict__ g, float* y,
+template <typename TY>
+__global__ void SigmoidScaleForwardKernel(const float* x, const float* __restrict__ g, TY* y,
                                           int64_t rows, int64_t r) {
   const int64_t i = WarpRow();
   if (i >= rows) return;
   const float s = Sigmoid(g[i]);
-  for (int64_t j = threadIdx.x % kWarp; j < r; j += kWarp) y[i * r + j] = x[i * r + j] * s;
+  for (int64_t j = threadIdx.x % kWarp; j < r; j += kWarp) {
+    StoreAs(y + i * r + j, x[i * r + j] * s);
+  }
 }
 
 __global__ void SigmoidScaleBackwardKernel(const float* __restrict__ x, const float* __restrict__ g,
@@ -401,11 +404,17 @@ cudaError_t LaunchFeatureMapBackward(CudaFeatureMap f, const float* x, const flo
   return cudaErrorInvalidValue;
 }
 
-cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, float* y, int64_t rows,
-                                      int64_t r, int max_blocks, cudaStream_t stream) {
+cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, void* y, bool y_bf16,
+                                      int64_t rows, int64_t r, int max_blocks,
+                                      cudaStream_t stream) {
   if (rows * r == 0) return cudaSuccess;
-  SigmoidScaleForwardKernel<<<FeatureRowBlocks(rows), kFeatureRowWarps * kWarp, 0, stream>>>(
-      x, g, y, rows, r);
+  if (y_bf16) {
+    SigmoidScaleForwardKernel<<<FeatureRowBlocks(rows), kFeatureRowWarps * kWarp, 0, stream>>>(
+        x, g, static_cast<uint16_t*>(y), rows, r);
+  } else {
+    SigmoidScaleForwardKernel<<<FeatureRowBlocks(rows), kFeatureRowWarps * kWarp, 0, stream>>>(
+        x, g, static_cast<float*>(y), rows, r);
+  }
   return cudaGetLastError();
 }
 

@@ -57,10 +57,16 @@ cudaError_t LaunchEmbeddingBackward(const int32_t* ids, const float* d_out, floa
 // bits rounded from it.
 cudaError_t LaunchRmsNormForward(const float* x, const float* w, float eps, void* y, bool y_bf16,
                                  float* rstd, int64_t N, int64_t W, cudaStream_t stream);
-// dx only (one warp per row).
+// sum = a + b (as the residual add; sum may alias a or b), then y and rstd
+// of sum exactly as LaunchRmsNormForward.
+cudaError_t LaunchAddRmsNormForward(const float* a, const float* b, float* sum, const float* w,
+                                    float eps, void* y, bool y_bf16, float* rstd, int64_t N,
+                                    int64_t W, cudaStream_t stream);
+// dx only (one warp per row); d_residual (when not null) added to each
+// element last, as a separate residual add would.
 cudaError_t LaunchRmsNormBackwardInput(const float* x, const float* w, const float* rstd,
-                                       const float* dy, float* dx, int64_t N, int64_t W,
-                                       cudaStream_t stream);
+                                       const float* dy, const float* d_residual, float* dx,
+                                       int64_t N, int64_t W, cudaStream_t stream);
 
 // Column sums over rows in two fixed stages: ColumnPartials(rows) blocks of
 // consecutive rows each write a partial sum per column into `partials`
@@ -78,10 +84,12 @@ int64_t RmsNormBackwardPartials(int64_t N, int64_t W);
 // pass over x and dy (a block per fixed range of rows, a warp per row, the
 // d_weight terms summed per warp in row order, the warps in order, then the
 // block partials in fixed groups); wider rows use LaunchRmsNormWeightGrad and
-// then LaunchRmsNormBackwardInput. dx may alias x.
+// then LaunchRmsNormBackwardInput. dx may alias x. d_residual as
+// LaunchRmsNormBackwardInput's (null: none).
 cudaError_t LaunchRmsNormBackward(const float* x, const float* w, const float* rstd,
-                                  const float* dy, float* dx, float* d_weight, float* partials,
-                                  int64_t N, int64_t W, cudaStream_t stream);
+                                  const float* dy, const float* d_residual, float* dx,
+                                  float* d_weight, float* partials, int64_t N, int64_t W,
+                                  cudaStream_t stream);
 
 // --- element-wise ------------------------------------------------------------------
 // Operands typed void* are fp32, or bf16 bits where their flag says so (read
@@ -112,9 +120,10 @@ cudaError_t LaunchFeatureMapForward(CudaFeatureMap f, const float* x, void* y, b
                                     int64_t n, int max_blocks, cudaStream_t stream);
 cudaError_t LaunchFeatureMapBackward(CudaFeatureMap f, const float* x, const float* dy,
                                      float* dx, int64_t n, int max_blocks, cudaStream_t stream);
-// y[i, :] = x[i, :] * sigmoid(g[i]) over rows of r.
-cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, float* y, int64_t rows,
-                                      int64_t r, int max_blocks, cudaStream_t stream);
+// y[i, :] = x[i, :] * sigmoid(g[i]) over rows of r; y fp32 or (y_bf16) bf16 bits.
+cudaError_t LaunchSigmoidScaleForward(const float* x, const float* g, void* y, bool y_bf16,
+                                      int64_t rows, int64_t r, int max_blocks,
+                                      cudaStream_t stream);
 cudaError_t LaunchSigmoidScaleBackward(const float* x, const float* g, const float* dy, float* dx,
                                        float* dg, int64_t rows, int64_t r, int max_blocks,
                                        cudaStream_t stream);
@@ -139,11 +148,13 @@ int64_t ShortConvBackwardPartials(int64_t nb, int64_t L);
 // order: each run's rows in order, the runs of a block in order (a partial),
 // then the partials in fixed groups (out += the sum). d_w is unchanged when
 // L == 0 (d_prefix is then zeros). dx fp32, or (dx_bf16) bf16 bits rounded
-// from the fp32 value.
+// from the fp32 value. z (when not null, of dy's layout): the gradient at the
+// conv's output is sigmoid(z) * dy (a softplus of the output z), as
+// LaunchSigmoidTimes computes it, instead of dy.
 cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const float* w,
-                                    const float* dy, void* dx, bool dx_bf16, float* d_prefix,
-                                    float* d_w, float* partials, int64_t nb, int64_t L, int64_t C,
-                                    cudaStream_t stream);
+                                    const float* dy, const float* z, void* dx, bool dx_bf16,
+                                    float* d_prefix, float* d_w, float* partials, int64_t nb,
+                                    int64_t L, int64_t C, cudaStream_t stream);
 
 // --- narrow linear layer (out <= kCudaNarrowMaxOut) ---------------------------------
 inline constexpr int kCudaNarrowMaxOut = 16;
@@ -155,14 +166,15 @@ cudaError_t LaunchNarrowLinearForward(const void* x, bool x_bf16, const void* w,
                                       cudaStream_t stream);
 // Partial rows LaunchNarrowLinearBackward needs (partials [that, out * (in + 1)]).
 int64_t NarrowLinearPartials(int64_t N);
-// dx = dy w (accumulate_dx: dx += dy w), the outputs in order per element;
+// dx = dy w (accumulate_dx: dx += dy w), one warp per row, the outputs in
+// order per element;
 // d_w [out, in] += dy^T x and (d_bias not null) d_bias += column sums of dy:
 // each block's fixed range of rows summed in fixed row groups (a partial),
 // then the partials in fixed groups (out += the sum).
 cudaError_t LaunchNarrowLinearBackward(const void* x, bool x_bf16, const void* w, bool w_bf16,
                                        const float* dy, float* dx, bool accumulate_dx,
                                        float* d_w, float* d_bias, float* partials, int64_t N,
-                                       int64_t in, int out, int max_blocks, cudaStream_t stream);
+                                       int64_t in, int out, cudaStream_t stream);
 
 // --- cross-entropy ------------------------------------------------------------------
 // One block per row of logits [m, V]: lse[i] = max + log(sum exp(logit - max))

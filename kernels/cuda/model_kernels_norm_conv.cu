@@ -31,10 +31,35 @@ __global__ void RmsNormForwardKernel(const float* x, const float* __restrict__ w
   }
 }
 
+// sum = a + b (the residual add, may alias a or b), then RmsNormForwardKernel
+// on sum's values: the same operations in the same order.
+template <typename TY>
+__global__ void AddRmsNormForwardKernel(const float* a, const float* b, float* sum,
+                                        const float* __restrict__ w, float eps, TY* y,
+                                        float* __restrict__ rstd, int64_t N, int64_t W) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (i >= N) return;
+  float* row = sum + i * W;
+  double ss = 0.0;
+  for (int64_t j = lane; j < W; j += kWarp) {
+    const float s = __fadd_rn(a[i * W + j], b[i * W + j]);
+    row[j] = s;
+    ss += double{s} * s;
+  }
+  ss = WarpSum(ss);
+  const float r = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(W) + double{eps}));
+  if (lane == 0) rstd[i] = r;
+  for (int64_t j = lane; j < W; j += kWarp) {  // this lane's own writes above
+    StoreAs(y + i * W + j, __fmul_rn(__fmul_rn(row[j], r), w[j]));
+  }
+}
+
+// dx (+ res when not null: the residual path's gradient, added last).
 __global__ void RmsNormBackwardInputKernel(const float* __restrict__ x, const float* __restrict__ w,
                                            const float* __restrict__ rstd,
-                                           const float* __restrict__ dy, float* __restrict__ dx,
-                                           int64_t N, int64_t W) {
+                                           const float* __restrict__ dy, const float* res,
+                                           float* __restrict__ dx, int64_t N, int64_t W) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (i >= N) return;
@@ -46,7 +71,9 @@ __global__ void RmsNormBackwardInputKernel(const float* __restrict__ x, const fl
   dot = WarpSum(dot);
   const float c = static_cast<float>(dot * r * r * r / static_cast<double>(W));
   for (int64_t j = lane; j < W; j += kWarp) {
-    dx[i * W + j] = __fsub_rn(__fmul_rn(__fmul_rn(r, w[j]), grow[j]), __fmul_rn(row[j], c));
+    float v = __fsub_rn(__fmul_rn(__fmul_rn(r, w[j]), grow[j]), __fmul_rn(row[j], c));
+    if (res != nullptr) v = __fadd_rn(v, res[i * W + j]);
+    dx[i * W + j] = v;
   }
 }
 
@@ -177,8 +204,8 @@ int64_t NormRowsPerBlock(int64_t N) {
 __global__ void __launch_bounds__(kWarp * kNormWarps, 3)
     RmsNormBackwardFusedKernel(const float* x, const float* __restrict__ w,
                                const float* __restrict__ rstd, const float* __restrict__ dy,
-                               float* dx, float* __restrict__ partials, int64_t N, int64_t W,
-                               int64_t rows_per) {
+                               const float* res, float* dx, float* __restrict__ partials,
+                               int64_t N, int64_t W, int64_t rows_per) {
   const int lane = threadIdx.x % kWarp, g = threadIdx.x / kWarp;
   __shared__ float acc[kNormWarps][kNormMaxW];
   float wr[kNormPerLane];
@@ -212,7 +239,9 @@ __global__ void __launch_bounds__(kWarp * kNormWarps, 3)
     for (int k = 0; k < kNormPerLane; ++k) {
       const int64_t j = lane + int64_t{kWarp} * k;
       if (j < W) {
-        dx[i * W + j] = __fsub_rn(__fmul_rn(__fmul_rn(r, wr[k]), gr[k]), __fmul_rn(xr[k], c));
+        float v = __fsub_rn(__fmul_rn(__fmul_rn(r, wr[k]), gr[k]), __fmul_rn(xr[k], c));
+        if (res != nullptr) v = __fadd_rn(v, res[i * W + j]);
+        dx[i * W + j] = v;
         acc[g][j] = __fadd_rn(acc[g][j], __fmul_rn(__fmul_rn(gr[k], xr[k]), r));
       }
     }
@@ -393,9 +422,24 @@ __device__ __forceinline__ Vec<V> ConvInputGrad(const Vec<V> (&wt)[K], const Vec
 // s added to acc[j] (acc[j] += dy[s] * in[s - (K-1) + j], as the CPU's term).
 // On entry xw[k] = input row t0 - (K-1) + k and dyw[k] = dy row t0 + k for
 // k < K-1 (rows >= L: unused).
+// The gradient at the conv's output: dy, or (z not null: the conv output that
+// a softplus read) sigmoid(z) * dy, the operations of SoftplusBackward.
+template <int V>
+__device__ __forceinline__ Vec<V> LoadConvGrad(const float* __restrict__ dy,
+                                               const float* __restrict__ z) {
+  Vec<V> g = LoadVec<V>(dy);
+  if (z != nullptr) {
+    const Vec<V> zv = LoadVec<V>(z);
+#pragma unroll
+    for (int q = 0; q < V; ++q) g.v[q] = 1.f * Sigmoid(zv.v[q]) * g.v[q];
+  }
+  return g;
+}
+
 template <int V, bool kFull, typename TX>
 __device__ __forceinline__ void ConvBackwardRun(const float* __restrict__ xb,
                                                 const float* __restrict__ dyb,
+                                                const float* __restrict__ zb,
                                                 TX* __restrict__ dxb, int64_t rows_left,
                                                 int64_t C, const Vec<V> (&wt)[K], Vec<V> (&xw)[K],
                                                 Vec<V> (&dyw)[K], Vec<V> (&acc)[K]) {
@@ -406,8 +450,10 @@ __device__ __forceinline__ void ConvBackwardRun(const float* __restrict__ xb,
     for (int k = 0; k < kConvBackwardBatch; ++k) {
       const int s = k0 + k;  // row t0 + s
       xin[k] = kFull || s < rows_left ? LoadVec<V>(xb + s * C) : ZeroVec<V>();
-      gin[k] = kFull || s + (K - 1) < rows_left ? LoadVec<V>(dyb + (s + (K - 1)) * C)
-                                                : ZeroVec<V>();
+      gin[k] = kFull || s + (K - 1) < rows_left
+                   ? LoadConvGrad<V>(dyb + (s + (K - 1)) * C,
+                                     zb != nullptr ? zb + (s + (K - 1)) * C : nullptr)
+                   : ZeroVec<V>();
     }
 #pragma unroll
     for (int k = 0; k < kConvBackwardBatch; ++k) {
@@ -443,7 +489,8 @@ template <int V, typename TX>
 __global__ void __launch_bounds__(kWarp * kConvGroups, 2)
     ShortConvBackwardKernel(const float* __restrict__ x, const float* __restrict__ prefix,
                             const float* __restrict__ w, const float* __restrict__ dy,
-                            TX* __restrict__ dx, float* __restrict__ d_prefix,
+                            const float* __restrict__ z, TX* __restrict__ dx,
+                            float* __restrict__ d_prefix,
                             float* __restrict__ partials, int64_t nb, int64_t L, int64_t C) {
   const int lane = threadIdx.x % kWarp, g = threadIdx.x / kWarp;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kWarp + lane) * V;
@@ -460,7 +507,9 @@ __global__ void __launch_bounds__(kWarp * kConvGroups, 2)
 #pragma unroll
     for (int k = 0; k < K - 1; ++k) {
       xw[k] = LoadVec<V>(ConvRow(x, prefix, b, t0 - (K - 1) + k, L, C) + c);
-      dyw[k] = t0 + k < L ? LoadVec<V>(dy + (b * L + t0 + k) * C + c) : ZeroVec<V>();
+      const int64_t off = (b * L + t0 + k) * C + c;
+      dyw[k] = t0 + k < L ? LoadConvGrad<V>(dy + off, z != nullptr ? z + off : nullptr)
+                          : ZeroVec<V>();
     }
     xw[K - 1] = ZeroVec<V>();
     dyw[K - 1] = ZeroVec<V>();
@@ -486,11 +535,12 @@ __global__ void __launch_bounds__(kWarp * kConvGroups, 2)
     }
     const float* xb = x + (b * L + t0) * C + c;
     const float* dyb = dy + (b * L + t0) * C + c;
+    const float* zb = z != nullptr ? z + (b * L + t0) * C + c : nullptr;
     TX* dxb = dx + (b * L + t0) * C + c;
     if (t0 + kConvRun + (K - 1) <= L) {
-      ConvBackwardRun<V, true, TX>(xb, dyb, dxb, L - t0, C, wt, xw, dyw, acc);
+      ConvBackwardRun<V, true, TX>(xb, dyb, zb, dxb, L - t0, C, wt, xw, dyw, acc);
     } else {
-      ConvBackwardRun<V, false, TX>(xb, dyb, dxb, L - t0, C, wt, xw, dyw, acc);
+      ConvBackwardRun<V, false, TX>(xb, dyb, zb, dxb, L - t0, C, wt, xw, dyw, acc);
     }
   }
   __shared__ float sums[K][kConvGroups][kWarp * V];
@@ -526,12 +576,28 @@ cudaError_t LaunchRmsNormForward(const float* x, const float* w, float eps, void
   return cudaGetLastError();
 }
 
+cudaError_t LaunchAddRmsNormForward(const float* a, const float* b, float* sum, const float* w,
+                                    float eps, void* y, bool y_bf16, float* rstd, int64_t N,
+                                    int64_t W, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((N + kRowWarps - 1) / kRowWarps);
+  if (y_bf16) {
+    AddRmsNormForwardKernel<<<blocks, kRowWarps * kWarp, 0, stream>>>(
+        a, b, sum, w, eps, static_cast<uint16_t*>(y), rstd, N, W);
+  } else {
+    AddRmsNormForwardKernel<<<blocks, kRowWarps * kWarp, 0, stream>>>(
+        a, b, sum, w, eps, static_cast<float*>(y), rstd, N, W);
+  }
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchRmsNormBackwardInput(const float* x, const float* w, const float* rstd,
-                                       const float* dy, float* dx, int64_t N, int64_t W,
-                                       cudaStream_t stream) {
+                                       const float* dy, const float* d_residual, float* dx,
+                                       int64_t N, int64_t W, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   RmsNormBackwardInputKernel<<<static_cast<unsigned>((N + kRowWarps - 1) / kRowWarps),
-                               kRowWarps * kWarp, 0, stream>>>(x, w, rstd, dy, dx, N, W);
+                               kRowWarps * kWarp, 0, stream>>>(x, w, rstd, dy, d_residual, dx, N,
+                                                               W);
   return cudaGetLastError();
 }
 
@@ -555,19 +621,20 @@ int64_t RmsNormBackwardPartials(int64_t N, int64_t W) {
 }
 
 cudaError_t LaunchRmsNormBackward(const float* x, const float* w, const float* rstd,
-                                  const float* dy, float* dx, float* d_weight, float* partials,
-                                  int64_t N, int64_t W, cudaStream_t stream) {
+                                  const float* dy, const float* d_residual, float* dx,
+                                  float* d_weight, float* partials, int64_t N, int64_t W,
+                                  cudaStream_t stream) {
   if (N == 0 || W == 0) return cudaSuccess;
   if (W > kNormMaxW) {  // d_weight first, while x is intact (dx may overwrite x)
     const cudaError_t err = LaunchRmsNormWeightGrad(x, rstd, dy, partials, d_weight, N, W, stream);
     if (err != cudaSuccess) return err;
-    return LaunchRmsNormBackwardInput(x, w, rstd, dy, dx, N, W, stream);
+    return LaunchRmsNormBackwardInput(x, w, rstd, dy, d_residual, dx, N, W, stream);
   }
   const int64_t rows_per = NormRowsPerBlock(N);
   const int64_t blocks = (N + rows_per - 1) / rows_per;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   RmsNormBackwardFusedKernel<<<static_cast<unsigned>(blocks), kWarp * kNormWarps, 0, stream>>>(
-      x, w, rstd, dy, dx, partials, N, W, rows_per);
+      x, w, rstd, dy, d_residual, dx, partials, N, W, rows_per);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   return LaunchAddPartialsGrouped(partials, blocks, W, d_weight, stream);
@@ -603,13 +670,14 @@ cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const fl
 }
 
 cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const float* w,
-                                    const float* dy, void* dx, bool dx_bf16, float* d_prefix,
-                                    float* d_w, float* partials, int64_t nb, int64_t L, int64_t C,
-                                    cudaStream_t stream) {
+                                    const float* dy, const float* z, void* dx, bool dx_bf16,
+                                    float* d_prefix, float* d_w, float* partials, int64_t nb,
+                                    int64_t L, int64_t C, cudaStream_t stream) {
   if (nb * C == 0) return cudaSuccess;
   const bool dx_aligned = (reinterpret_cast<uintptr_t>(dx) & (dx_bf16 ? 7u : 15u)) == 0;
   const bool vec = C % 4 == 0 && Aligned16(x) && Aligned16(prefix) && Aligned16(w) &&
-                   Aligned16(dy) && dx_aligned && Aligned16(d_prefix);
+                   Aligned16(dy) && (z == nullptr || Aligned16(z)) && dx_aligned &&
+                   Aligned16(d_prefix);
   const int64_t tiles = (C / (vec ? 4 : 1) + kWarp - 1) / kWarp;
   const int64_t blocks = ShortConvBackwardPartials(nb, L);
   if (tiles > 65535 || blocks > INT_MAX) return cudaErrorInvalidConfiguration;
@@ -618,17 +686,17 @@ cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const f
   float* dxf = static_cast<float*>(dx);
   const unsigned threads = kWarp * kConvGroups;
   if (vec && dx_bf16) {
-    ShortConvBackwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxh, d_prefix,
-                                                             partials, nb, L, C);
+    ShortConvBackwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, dy, z, dxh,
+                                                             d_prefix, partials, nb, L, C);
   } else if (vec) {
-    ShortConvBackwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxf, d_prefix,
-                                                             partials, nb, L, C);
+    ShortConvBackwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, dy, z, dxf,
+                                                             d_prefix, partials, nb, L, C);
   } else if (dx_bf16) {
-    ShortConvBackwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxh, d_prefix,
-                                                             partials, nb, L, C);
+    ShortConvBackwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, dy, z, dxh,
+                                                             d_prefix, partials, nb, L, C);
   } else {
-    ShortConvBackwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, dy, dxf, d_prefix,
-                                                             partials, nb, L, C);
+    ShortConvBackwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, dy, z, dxf,
+                                                             d_prefix, partials, nb, L, C);
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || L == 0) return err;  // no rows: d_w unchanged
@@ -677,19 +745,26 @@ __global__ void __launch_bounds__(kRowWarps * kWarp)
   }
 }
 
+// One warp per row: the row's dy in registers, lane l the columns l, l + 32, ...
 template <typename TW>
-__global__ void NarrowInputGradKernel(const TW* __restrict__ w, const float* __restrict__ dy,
-                                      float* __restrict__ dx, int64_t N, int64_t in, int out,
-                                      bool accumulate) {
-  const int64_t n = N * in;
-  for (int64_t k = GlobalThread(); k < n; k += GridThreads()) {
-    const int64_t i = k / in, j = k - i * in;
+__global__ void __launch_bounds__(kRowWarps * kWarp)
+    NarrowInputGradKernel(const TW* __restrict__ w, const float* __restrict__ dy,
+                          float* __restrict__ dx, int64_t N, int64_t in, int out,
+                          bool accumulate) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (i >= N) return;
+  float g[kNarrowOut];
+#pragma unroll
+  for (int o = 0; o < kNarrowOut; ++o) g[o] = o < out ? dy[i * out + o] : 0.f;
+  float* row = dx + i * in;
+  for (int64_t j = lane; j < in; j += kWarp) {
     float s = 0.f;
 #pragma unroll
     for (int o = 0; o < kNarrowOut; ++o) {
-      if (o < out) s = fmaf(dy[i * out + o], Widen(w[o * in + j]), s);
+      if (o < out) s = fmaf(g[o], Widen(w[o * in + j]), s);
     }
-    dx[k] = accumulate ? dx[k] + s : s;
+    row[j] = accumulate ? row[j] + s : s;
   }
 }
 
@@ -763,10 +838,10 @@ int64_t NarrowLinearPartials(int64_t N) { return ColumnPartials(N); }
 cudaError_t LaunchNarrowLinearBackward(const void* x, bool x_bf16, const void* w, bool w_bf16,
                                        const float* dy, float* dx, bool accumulate_dx,
                                        float* d_w, float* d_bias, float* partials, int64_t N,
-                                       int64_t in, int out, int max_blocks, cudaStream_t stream) {
+                                       int64_t in, int out, cudaStream_t stream) {
   if (N == 0 || out == 0) return cudaSuccess;  // dx empty, d_w and d_bias unchanged
   if (in > 0) {
-    const int blocks = Blocks(N * in, max_blocks);
+    const unsigned blocks = static_cast<unsigned>((N + kRowWarps - 1) / kRowWarps);
     if (w_bf16) {
       NarrowInputGradKernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(w), dy,
                                                              dx, N, in, out, accumulate_dx);

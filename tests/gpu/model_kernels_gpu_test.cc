@@ -910,6 +910,112 @@ TEST_F(ModelKernelsBf16GpuTest, NarrowLinearMatchesCpu) {
   EXPECT_NE(std::string(a.message()).find("dx may not alias x"), std::string::npos) << a;
 }
 
+// The fused residual add + norm and norm backward + residual gradient: the
+// bits of the GPU's separate ops, on the fused backward (W = 389) and the
+// wide-row path (W = 1037), y fp32 and bf16, sum in place of b; close to the
+// CPU's.
+TEST_F(ModelKernelsBf16GpuTest, FusedResidualNormsEqualTheSeparateOps) {
+  for (int64_t W : {int64_t{389}, int64_t{1037}}) {
+    SCOPED_TRACE("W " + std::to_string(W));
+    const int64_t N = 1031;
+    const Tensor ha = Random({N, W}, 121, 2.f), hb = Random({N, W}, 122), hw = Random({W}, 123);
+    const Tensor a = Dev(ha), b = Dev(hb), w = Dev(hw);
+    for (bool y16 : {false, true}) {
+      SCOPED_TRACE(y16 ? "bf16 y" : "fp32 y");
+      Tensor sum = Poisoned({N, W}), y = y16 ? P16({N, W}) : Poisoned({N, W});
+      Tensor rstd = Poisoned({N});
+      SMAT_ASSERT_OK(gmk_->ResidualAdd(a, b, sum));
+      SMAT_ASSERT_OK(gmk_->RmsNormForward(sum, w, 1e-6f, y, rstd));
+      Tensor in_place = Dev(hb), y2 = y16 ? P16({N, W}) : Poisoned({N, W});
+      Tensor rstd2 = Poisoned({N});
+      SMAT_ASSERT_OK(gmk_->AddRmsNormForward(a, in_place, w, 1e-6f, in_place, y2, rstd2));
+      ExpectBitwise(Host(in_place), Host(sum), "AddRmsNormForward sum");
+      ExpectBitwise(Host(y2), Host(y), "AddRmsNormForward y");
+      ExpectBitwise(Host(rstd2), Host(rstd), "AddRmsNormForward rstd");
+      if (!y16) {
+        Tensor csum = Clone(ha), cy = Clone(ha), crstd = *Tensor::Empty({N}, DType::kF32);
+        SMAT_ASSERT_OK(cmk_->AddRmsNormForward(ha, hb, hw, 1e-6f, csum, cy, crstd));
+        ExpectBitwise(Host(in_place), csum, "AddRmsNormForward sum vs CPU");
+        ExpectClose(Host(y2), cy, 4e-7, 0, "AddRmsNormForward y vs CPU");
+      }
+    }
+    const Tensor hdy = Random({N, W}, 124), hres = Random({N, W}, 125), hdw0 = Random({W}, 126);
+    const Tensor dy = Dev(hdy), res = Dev(hres);
+    Tensor y = Poisoned({N, W}), rstd = Poisoned({N});
+    SMAT_ASSERT_OK(gmk_->RmsNormForward(a, w, 1e-6f, y, rstd));
+    Tensor dx = Poisoned({N, W}), dw = Dev(hdw0);
+    SMAT_ASSERT_OK(gmk_->RmsNormBackward(a, w, rstd, dy, dx, dw));
+    SMAT_ASSERT_OK(gmk_->ResidualAdd(dx, res, dx));
+    Tensor dx2 = Poisoned({N, W}), dw2 = Dev(hdw0);
+    SMAT_ASSERT_OK(gmk_->RmsNormBackwardAdd(a, w, rstd, dy, res, dx2, dw2));
+    ExpectBitwise(Host(dx2), Host(dx), "RmsNormBackwardAdd dx");
+    ExpectBitwise(Host(dw2), Host(dw), "RmsNormBackwardAdd d_weight");
+    Tensor cdx = Clone(ha), cdw = Clone(hdw0);
+    SMAT_ASSERT_OK(cmk_->RmsNormBackwardAdd(ha, hw, Host(rstd), hdy, hres, cdx, cdw));
+    ExpectClose(Host(dx2), cdx, 1e-5, 1e-6, "RmsNormBackwardAdd dx vs CPU");
+    ExpectClose(Host(dw2), cdw, 1e-5, 1e-5, "RmsNormBackwardAdd d_weight vs CPU");
+    Tensor alias = Dev(hres);
+    const absl::Status s = gmk_->RmsNormBackwardAdd(a, w, rstd, dy, alias, alias, dw2);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  }
+}
+
+TEST_F(ModelKernelsBf16GpuTest, SigmoidScaleBf16OutputIsTheCastOfFp32) {
+  const int64_t N = 1031, H = 3, r = 61;
+  const Tensor hx = Random({N, H, r}, 131, 3.f), hg = Random({N, H}, 132, 3.f);
+  const Tensor x = Dev(hx), g = Dev(hg);
+  Tensor y = Poisoned({N, H, r}), y16 = P16({N, H, r});
+  SMAT_ASSERT_OK(gmk_->SigmoidScaleForward(x, g, y));
+  SMAT_ASSERT_OK(gmk_->SigmoidScaleForward(x, g, y16));
+  ExpectBitwise(Host(y16), Host(To(y, DType::kBF16)), "SigmoidScaleForward bf16 y");
+  Tensor cy = Clone(hx);
+  SMAT_ASSERT_OK(cmk_->SigmoidScaleForward(hx, hg, cy));
+  ExpectClose(Host(y), cy, 1e-5, 1e-6, "SigmoidScaleForward y vs CPU");
+}
+
+// The backward of softplus(conv(x)) in one pass: the bits of the GPU's
+// SoftplusBackward then ShortConvBackward (float4 and scalar paths, fp32 and
+// bf16 dx, runs that end inside a sequence and sequences shorter than the
+// halo), and close to the CPU's.
+TEST_F(ModelKernelsBf16GpuTest, ShortConvSoftplusBackwardEqualsTheSeparateOps) {
+  constexpr int64_t K = kShortConvWidth;
+  struct Case {
+    int64_t nb, L, C;
+  };
+  for (const Case& k : {Case{3, 347, 389}, Case{2, 37, 132}, Case{3, 2, 12}, Case{2, 1, 4}}) {
+    const int64_t nb = k.nb, L = k.L, C = k.C;
+    const Tensor hx = Random({nb, L, C}, 141), hp = Random({nb, K - 1, C}, 142);
+    const Tensor hw = Random({K, C}, 143), hz = Random({nb, L, C}, 144, 4.f);
+    const Tensor hdy = Random({nb, L, C}, 145), hdw0 = Random({K, C}, 146);
+    const Tensor x = Dev(hx), prefix = Dev(hp), w = Dev(hw), z = Dev(hz), dy = Dev(hdy);
+    for (bool dx16 : {false, true}) {
+      SCOPED_TRACE("nb " + std::to_string(nb) + ", L " + std::to_string(L) + ", C " +
+                   std::to_string(C) + (dx16 ? ", bf16 dx" : ", fp32 dx"));
+      Tensor g = Poisoned({nb, L, C});
+      SMAT_ASSERT_OK(gmk_->SoftplusBackward(z, dy, g));
+      Tensor dx = dx16 ? P16({nb, L, C}) : Poisoned({nb, L, C});
+      Tensor dp = Poisoned({nb, K - 1, C}), dw = Dev(hdw0);
+      SMAT_ASSERT_OK(gmk_->ShortConvBackward(x, prefix, w, g, dx, dp, dw));
+      Tensor dx2 = dx16 ? P16({nb, L, C}) : Poisoned({nb, L, C});
+      Tensor dp2 = Poisoned({nb, K - 1, C}), dw2 = Dev(hdw0);
+      SMAT_ASSERT_OK(gmk_->ShortConvSoftplusBackward(x, prefix, w, z, dy, dx2, dp2, dw2));
+      ExpectBitwise(Host(dx2), Host(dx), "ShortConvSoftplusBackward dx");
+      ExpectBitwise(Host(dp2), Host(dp), "ShortConvSoftplusBackward d_prefix");
+      ExpectBitwise(Host(dw2), Host(dw), "ShortConvSoftplusBackward d_w");
+      if (!dx16) {
+        Tensor cdx = Clone(hx), cdp = Clone(hp), cdw = Clone(hdw0);
+        SMAT_ASSERT_OK(cmk_->ShortConvSoftplusBackward(hx, hp, hw, hz, hdy, cdx, cdp, cdw));
+        ExpectClose(Host(dx2), cdx, 1e-5, 1e-6, "ShortConvSoftplusBackward dx vs CPU");
+        ExpectClose(Host(dp2), cdp, 1e-5, 1e-6, "ShortConvSoftplusBackward d_prefix vs CPU");
+        ExpectClose(Host(dw2), cdw, 1e-5, 1e-5, "ShortConvSoftplusBackward d_w vs CPU");
+      }
+    }
+    Tensor alias = Dev(hdy), dp = Poisoned({nb, K - 1, C}), dw = Dev(hdw0);
+    const absl::Status s = gmk_->ShortConvSoftplusBackward(x, prefix, w, z, alias, alias, dp, dw);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  }
+}
+
 }  // namespace
 }  // namespace gpu_test
 }  // namespace smat

@@ -831,5 +831,93 @@ TEST_F(ModelKernelsBf16Test, NarrowLinearRejectsBadOperands) {
   EXPECT_NE(std::string(s.message()).find("NarrowLinearBackward: d_w"), std::string::npos) << s;
 }
 
+// The fused residual add + norm and norm backward + residual gradient give the
+// bits of the separate ops (fp32 and bf16 y; sum in place of b).
+TEST_F(ModelKernelsBf16Test, FusedResidualNormsEqualTheSeparateOps) {
+  const int64_t N = 33, W = 27;
+  const Tensor a = Randn({N, W}, 101), b = Randn({N, W}, 102), w = Randn({W}, 103);
+  const Tensor dy = Randn({N, W}, 104), dres = Randn({N, W}, 105), dw0 = Randn({W}, 106);
+  auto copy = [](const Tensor& t) {
+    Tensor c = *Tensor::Empty(t.shape(), t.dtype());
+    std::memcpy(c.raw(), t.raw(), t.nbytes());
+    return c;
+  };
+  for (DType yt : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(yt == DType::kF32 ? "fp32 y" : "bf16 y");
+    Tensor sum = Zeros({N, W}), y = yt == DType::kF32 ? Zeros({N, W}) : Bf16NaN({N, W});
+    Tensor rstd = Zeros({N});
+    ASSERT_TRUE(mk_->ResidualAdd(a, b, sum).ok());
+    ASSERT_TRUE(mk_->RmsNormForward(sum, w, 1e-6f, y, rstd).ok());
+    Tensor in_place = copy(b), y2 = yt == DType::kF32 ? Zeros({N, W}) : Bf16NaN({N, W});
+    Tensor rstd2 = Zeros({N});
+    ASSERT_TRUE(mk_->AddRmsNormForward(a, in_place, w, 1e-6f, in_place, y2, rstd2).ok());
+    ExpectSameBits(in_place, sum, "AddRmsNormForward sum");
+    ExpectSameBits(y2, y, "AddRmsNormForward y");
+    ExpectSameBits(rstd2, rstd, "AddRmsNormForward rstd");
+  }
+  Tensor rstd = Zeros({N}), y = Zeros({N, W});
+  ASSERT_TRUE(mk_->RmsNormForward(a, w, 1e-6f, y, rstd).ok());
+  Tensor dx = Zeros({N, W}), dw = copy(dw0);
+  ASSERT_TRUE(mk_->RmsNormBackward(a, w, rstd, dy, dx, dw).ok());
+  ASSERT_TRUE(mk_->ResidualAdd(dx, dres, dx).ok());
+  Tensor dx2 = Zeros({N, W}), dw2 = copy(dw0);
+  ASSERT_TRUE(mk_->RmsNormBackwardAdd(a, w, rstd, dy, dres, dx2, dw2).ok());
+  ExpectSameBits(dx2, dx, "RmsNormBackwardAdd dx");
+  ExpectSameBits(dw2, dw, "RmsNormBackwardAdd d_weight");
+  // dx may not alias d_residual; y may not alias the sum.
+  Tensor dres_alias = copy(dres);
+  absl::Status s = mk_->RmsNormBackwardAdd(a, w, rstd, dy, dres_alias, dres_alias, dw2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("dx may not alias d_residual"), std::string::npos) << s;
+  Tensor sum = Zeros({N, W});
+  s = mk_->AddRmsNormForward(a, b, w, 1e-6f, sum, sum, rstd);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("AddRmsNormForward: y may not alias sum"),
+            std::string::npos)
+      << s;
+  s = mk_->AddRmsNormForward(a, Randn({N, W + 1}, 107), w, 1e-6f, sum, y, rstd);
+  EXPECT_NE(std::string(s.message()).find("AddRmsNormForward: b"), std::string::npos) << s;
+}
+
+TEST_F(ModelKernelsBf16Test, SigmoidScaleWritesTheCastOfItsFp32Output) {
+  const int64_t N = 13, H = 3, r = 7;
+  const Tensor x = Randn({N, H, r}, 111, 2.f), g = Randn({N, H}, 112, 2.f);
+  Tensor y = Zeros({N, H, r}), y16 = Bf16NaN({N, H, r});
+  ASSERT_TRUE(mk_->SigmoidScaleForward(x, g, y).ok());
+  ASSERT_TRUE(mk_->SigmoidScaleForward(x, g, y16).ok());
+  ExpectSameBits(y16, To(y, DType::kBF16), "SigmoidScaleForward bf16 y");
+  Tensor x_as_bf16 = Tensor::Wrap(const_cast<void*>(x.raw()), {N, H, r}, DType::kBF16, x.device());
+  const absl::Status s = mk_->SigmoidScaleForward(x, g, x_as_bf16);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("may not alias"), std::string::npos) << s;
+}
+
+// The backward of softplus(conv(x)) equals SoftplusBackward then
+// ShortConvBackward, bit for bit; dx may not overwrite z.
+TEST_F(ModelKernelsBf16Test, ShortConvSoftplusBackwardEqualsTheSeparateOps) {
+  const int64_t nb = 2, L = 9, C = 5, K = kShortConvWidth;
+  const Tensor x = Randn({nb, L, C}, 151), prefix = Randn({nb, K - 1, C}, 152);
+  const Tensor w = Randn({K, C}, 153), z = Randn({nb, L, C}, 154, 3.f), dy = Randn({nb, L, C}, 155);
+  Tensor g = Zeros({nb, L, C}), dx = Zeros({nb, L, C}), dp = Zeros({nb, K - 1, C});
+  Tensor dw = Randn({K, C}, 156);
+  Tensor dx2 = Bf16NaN({nb, L, C}), dx2w = Zeros({nb, L, C}), dp2 = Zeros({nb, K - 1, C});
+  Tensor dw2 = Randn({K, C}, 156);
+  ASSERT_TRUE(mk_->SoftplusBackward(z, dy, g).ok());
+  ASSERT_TRUE(mk_->ShortConvBackward(x, prefix, w, g, dx, dp, dw).ok());
+  ASSERT_TRUE(mk_->ShortConvSoftplusBackward(x, prefix, w, z, dy, dx2w, dp2, dw2).ok());
+  ExpectSameBits(dx2w, dx, "ShortConvSoftplusBackward dx");
+  ExpectSameBits(dp2, dp, "ShortConvSoftplusBackward d_prefix");
+  ExpectSameBits(dw2, dw, "ShortConvSoftplusBackward d_w");
+  Tensor dw3 = Randn({K, C}, 156);
+  ASSERT_TRUE(mk_->ShortConvSoftplusBackward(x, prefix, w, z, dy, dx2, dp2, dw3).ok());
+  ExpectSameBits(dx2, To(dx, DType::kBF16), "ShortConvSoftplusBackward bf16 dx");
+  Tensor z_alias = Randn({nb, L, C}, 157);
+  absl::Status s = mk_->ShortConvSoftplusBackward(x, prefix, w, z_alias, dy, z_alias, dp2, dw3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("dx may not alias z"), std::string::npos) << s;
+  s = mk_->ShortConvSoftplusBackward(x, prefix, w, Randn({nb, L, C + 1}, 158), dy, dx2w, dp2, dw3);
+  EXPECT_NE(std::string(s.message()).find("ShortConvSoftplusBackward: z"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace smat
