@@ -163,12 +163,12 @@ absl::Status Model::Impl::BlockForward(Backend& be, size_t l, const Tensor& x,
         Annotate(mixers[l].Forward(step, a->n1, &a->mixer, &mixed), "block ", l, " mixer"));
   }
   PhaseScope phase(be, "fwd.mlp");
-  SMAT_RETURN_IF_ERROR(kernels->ResidualAdd(x, mixed, mixed));
+  // x_mid = x + mixed (in place) and n2 = norm2(x_mid) in one pass.
   a->x_mid = mixed;
   SMAT_ASSIGN_OR_RETURN(a->n2, dense->NewOperand({N, W}));
   SMAT_ASSIGN_OR_RETURN(a->rstd2, NewActivation(be, {N}));
-  SMAT_RETURN_IF_ERROR(
-      kernels->RmsNormForward(a->x_mid, p.norm2->value, kNormEps, a->n2, a->rstd2));
+  SMAT_RETURN_IF_ERROR(kernels->AddRmsNormForward(x, mixed, p.norm2->value, kNormEps, a->x_mid,
+                                                  a->n2, a->rstd2));
   // gate and up are read only by SwiGLU (forward and backward), which reads
   // bf16: with run.bf16 the products write them in bf16.
   SMAT_ASSIGN_OR_RETURN(a->gate, dense->NewOperand({N, F}));
@@ -201,19 +201,18 @@ absl::Status Model::Impl::BlockBackward(Backend& be, size_t l, const BlockActiva
   SMAT_ASSIGN_OR_RETURN(const Tensor n2s, dense->Operand(a.n2, Dense::kInput));
   SMAT_RETURN_IF_ERROR(dense->Backward(n2s, d_gate, *p.w_gate, nullptr, &d_n2, false));
   SMAT_RETURN_IF_ERROR(dense->Backward(n2s, d_up, *p.w_up, nullptr, &d_n2, true));
+  // d_mid = norm2's backward + dy (the residual path), in one pass.
   SMAT_ASSIGN_OR_RETURN(Tensor d_mid, NewActivation(be, {N, W}));
-  SMAT_RETURN_IF_ERROR(
-      kernels->RmsNormBackward(a.x_mid, p.norm2->value, a.rstd2, d_n2, d_mid, p.norm2->grad));
-  SMAT_RETURN_IF_ERROR(kernels->ResidualAdd(d_mid, dy, d_mid));
+  SMAT_RETURN_IF_ERROR(kernels->RmsNormBackwardAdd(a.x_mid, p.norm2->value, a.rstd2, d_n2, dy,
+                                                   d_mid, p.norm2->grad));
   // Mixer branch: x_mid = x + mixer(norm1(x)).
   phase.emplace(be, "bwd.mixer");
   Tensor d_n1;  // [N, W]
   SMAT_RETURN_IF_ERROR(Annotate(mixers[l].Backward(step, a.n1, a.mixer, d_mid, &d_n1),
                                 "block ", l, " mixer backward"));
   SMAT_ASSIGN_OR_RETURN(*dx, NewActivation(be, {N, W}));
-  SMAT_RETURN_IF_ERROR(
-      kernels->RmsNormBackward(a.x, p.norm1->value, a.rstd1, d_n1, *dx, p.norm1->grad));
-  return kernels->ResidualAdd(*dx, d_mid, *dx);
+  return kernels->RmsNormBackwardAdd(a.x, p.norm1->value, a.rstd1, d_n1, d_mid, *dx,
+                                     p.norm1->grad);
 }
 
 Model::Model(const TrainConfig& config, Backend& backend)

@@ -187,7 +187,9 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   if (p_.w_key_gate != nullptr) {
     SMAT_ASSIGN_OR_RETURN(a->key_gate, NewActivation(be, {N, H_}));
     SMAT_RETURN_IF_ERROR(dense_->NarrowForward(xs, *p_.w_key_gate, p_.b_key_gate, a->key_gate));
-    SMAT_ASSIGN_OR_RETURN(a->psi, NewActivation(be, {N, H_, r_}));
+    // psi is read only by the SMat op (the gate's backward reads psi_raw): in
+    // the op's dtype.
+    SMAT_ASSIGN_OR_RETURN(a->psi, dense_->NewOperand({N, H_, r_}));
     SMAT_RETURN_IF_ERROR(
         kernels_->SigmoidScaleForward(a->psi_raw.View(0, {N, H_, r_}), a->key_gate, a->psi));
     a->psi = a->psi.View(0, {N, Cq});
@@ -298,11 +300,19 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
     d_psi_raw = d_raw.View(0, {N, Cq});
   }
   phase.emplace(be, "bwd.mixer.features_conv");
-  // Gradients of the feature-map inputs (conv outputs or projections).
-  SMAT_ASSIGN_OR_RETURN(Tensor d_q_in, NewActivation(be, {N, Cq}));
-  SMAT_ASSIGN_OR_RETURN(Tensor d_k_in, NewActivation(be, {N, Cq}));
-  SMAT_RETURN_IF_ERROR(FeaturesBackward(a.q_in, a.phi, g.phi.View(0, {N, Cq}), d_q_in));
-  SMAT_RETURN_IF_ERROR(FeaturesBackward(a.k_in, a.psi_raw, d_psi_raw, d_k_in));
+  // Softplus features on conv outputs: the conv's backward applies the
+  // softplus derivative as it reads the gradient (ShortConvSoftplusBackward,
+  // the same operations), so the gradients at the conv outputs are never
+  // written. Otherwise the gradients of the feature-map inputs (conv outputs
+  // or projections) first.
+  const bool fused = p_.conv_q != nullptr && features_ == ModelConfig::SOFTPLUS;
+  Tensor d_q_in = g.phi.View(0, {N, Cq}), d_k_in = d_psi_raw;  // at the feature maps' outputs
+  if (!fused) {
+    SMAT_ASSIGN_OR_RETURN(d_q_in, NewActivation(be, {N, Cq}));
+    SMAT_ASSIGN_OR_RETURN(d_k_in, NewActivation(be, {N, Cq}));
+    SMAT_RETURN_IF_ERROR(FeaturesBackward(a.q_in, a.phi, g.phi.View(0, {N, Cq}), d_q_in));
+    SMAT_RETURN_IF_ERROR(FeaturesBackward(a.k_in, a.psi_raw, d_psi_raw, d_k_in));
+  }
   Tensor d_v_in = g.v.View(0, {N, Cv});
 
   Tensor d_q = d_q_in, d_k = d_k_in, d_v = d_v_in;  // gradients of the projections
@@ -321,13 +331,20 @@ absl::Status SmatMixer::Backward(const MixerStep& step, const Tensor& x,
     const Tensor* xs[3] = {&a.q_proj, &a.k_proj, &a.v_proj};
     const Tensor* prefixes[3] = {&a.q_prefix, &a.k_prefix, &a.v_prefix};
     const Tensor* dys[3] = {&d_q_in, &d_k_in, &d_v_in};
+    const Tensor* zs[3] = {&a.q_in, &a.k_in, nullptr};  // the softplus inputs (fused)
     Parameter* ws[3] = {p_.conv_q, p_.conv_k, p_.conv_v};
     for (int i = 0; i < 3; ++i) {
       const int64_t C = i < 2 ? Cq : Cv;
       SMAT_ASSIGN_OR_RETURN(d_prefix[i], NewActivation(be, {nb, kHalo, C}));
-      SMAT_RETURN_IF_ERROR(kernels_->ShortConvBackward(
-          xs[i]->View(0, {nb, L, C}), *prefixes[i], ws[i]->value, dys[i]->View(0, {nb, L, C}),
-          d_proj[i], d_prefix[i], ws[i]->grad));
+      const Tensor xi = xs[i]->View(0, {nb, L, C}), dyi = dys[i]->View(0, {nb, L, C});
+      if (fused && zs[i] != nullptr) {
+        SMAT_RETURN_IF_ERROR(kernels_->ShortConvSoftplusBackward(
+            xi, *prefixes[i], ws[i]->value, zs[i]->View(0, {nb, L, C}), dyi, d_proj[i],
+            d_prefix[i], ws[i]->grad));
+      } else {
+        SMAT_RETURN_IF_ERROR(kernels_->ShortConvBackward(xi, *prefixes[i], ws[i]->value, dyi,
+                                                         d_proj[i], d_prefix[i], ws[i]->grad));
+      }
     }
     SMAT_RETURN_IF_ERROR(
         ReturnConvPrefixGradients(be, *step.comm, step.spans, d_prefix, d_proj));

@@ -126,7 +126,12 @@ INSTANTIATE_TEST_SUITE_P(
         GradCase{"d2_softplus_features_gated",
                  {.d = 2, .gated = true, .feature_map = ModelConfig::SOFTPLUS}},
         GradCase{"d2_exp_features_conv_keygate",
-                 {.d = 2, .short_conv = true, .key_gate = true, .feature_map = ModelConfig::EXP}}),
+                 {.d = 2, .short_conv = true, .key_gate = true, .feature_map = ModelConfig::EXP}},
+        // The shipped lm_*_gpu layout: the conv's backward applies the
+        // softplus derivative itself.
+        GradCase{"d2_softplus_conv_gated_keygate",
+                 {.d = 2, .token_hash = true, .gated = true, .short_conv = true,
+                  .key_gate = true, .feature_map = ModelConfig::SOFTPLUS}}),
     [](const ::testing::TestParamInfo<GradCase>& info) { return info.param.name; });
 
 // Recomputation runs the same kernels on the same block inputs, so the
