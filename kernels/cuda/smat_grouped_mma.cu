@@ -74,9 +74,6 @@ static_assert(kOffRows % 2 == 0, "token rows must be 8-byte aligned");
 // (TypeReads 1.25 -> 2.90 ms), so they stay opt-in.
 constexpr bool kMmaOuterSumsByDefault = true;
 constexpr bool kMmaReadsByDefault = false;
-// bf16 inputs: the row-major outer-sum kernel (OuterSumMma2Kernel) rather than
-// the k-major one.
-constexpr bool kOuterSums2ForBf16 = true;
 
 // Two fp32 values (lower k first) as one register of two bf16 (exact when
 // they are bf16 values already).
@@ -258,174 +255,6 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
   const dim3 grid(segments, groups.num_groups, d.batch * d.H);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(d, groups, segments, vec,
                                                  static_cast<const In*>(a), b, b_is_v, w, lay, out);
-  return cudaGetLastError();
-}
-
-// ---- outer sums of bf16 inputs: row-major staging, the weight on b -------------
-// The same sums for bf16 a with the token weight moved to b:
-//   out = sum_i a_i (w_i b_i)^T,
-// so a (bf16, exact) is staged as it is, token rows by cp.async, and read as
-// the A operand by ldmatrix.trans (A[m][k] = a_k[m]); w_i b_i (fp32) is split
-// into three bf16 planes of token rows (coalesced loads of b's rows) read by
-// ldmatrix.trans as B. Three MMAs per n8 tile and 16 tokens (the FFMA
-// kernels and the kernel above weigh a instead: the products differ by one
-// fp32 rounding of the weighted operand, well inside the 1e-5 of the tests).
-constexpr int kLd2 = 72;                 // bf16 row pitch (144 bytes: ldmatrix rows in distinct banks)
-constexpr int kTile2 = kC * kLd2;        // one token tile, bf16 elements
-constexpr int kOff2W = 4 * kTile2;       // a, then the three planes of w b; fp32 w [kC] after
-constexpr int kOff2Rows = kOff2W + 2 * kC;             // int64 rows (bf16 units: 16-byte aligned)
-constexpr int kSmem2Bytes = kOff2Rows * 2 + kC * 8;
-static_assert((kOff2W * 2) % 16 == 0 && (kOff2Rows * 2) % 16 == 0, "16-byte aligned arrays");
-
-template <typename T>
-__device__ __forceinline__ float Widen(T x) {
-  return ToF(x);
-}
-
-// grid (segments, G, batch * H), kThreads threads, kSmem2Bytes.
-__global__ void __launch_bounds__(kThreads, 2)
-    OuterSumMma2Kernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
-                       const __nv_bfloat16* __restrict__ a, const void* __restrict__ bsrc,
-                       bool b_is_v, SmatTokenWeights tw, SmatMatrixLayout lay,
-                       float* __restrict__ out) {
-  using mma_tiles::CpAsync16;
-  using mma_tiles::CpAsyncWaitAll;
-  using mma_tiles::Ldsm4T;
-  using mma_tiles::SmemAddr;
-  extern __shared__ float4 smem4[];
-  __nv_bfloat16* base = reinterpret_cast<__nv_bfloat16*>(smem4);
-  float* w = reinterpret_cast<float*>(base + kOff2W);
-  int64_t* rows = reinterpret_cast<int64_t*>(base + kOff2Rows);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int seg = blockIdx.x, grp = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const cuda_detail::GroupCursor cur(groups, d, bh, grp);
-  int64_t lo, hi;
-  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
-  const int r = d.r, p = d.p, dv = d.dv;
-  const int bw = b_is_v ? dv : p;  // b's stored width (vbar's ones added at column dv)
-  const int m0 = (warp & 3) * 16;
-  const int n_first = warp < 4 ? 0 : 5, n_count = warp < 4 ? 5 : 4;
-  // ldmatrix lane offsets: 16 x 16 blocks of token rows read transposed.
-  const int off_a = ((lane & 7) + ((lane >> 4) << 3)) * kLd2 + ((lane >> 3) & 1) * 8;
-  const int off_b = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd2 + (lane >> 4) * 8;
-  float acc[5][4], cor[5][4];
-#pragma unroll
-  for (int j = 0; j < 5; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
-
-  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
-    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
-    __syncthreads();  // the previous tile is consumed
-    if (tid < kC) {
-      if (tid < nt) {
-        const int64_t i = cur.Token(j0 + tid);
-        rows[tid] = TokenRow(d, b, i, h);
-        w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
-      } else {
-        rows[tid] = 0;
-        w[tid] = 0.f;
-      }
-    }
-    __syncthreads();
-    // a: token rows [kC][kLd2], zero beyond nt and r (columns < kMPad).
-    if (vec_in) {
-      for (int e = tid; e < kC * (kMPad / 8); e += kThreads) {
-        const int t = e >> 3, q = e & 7;
-        __nv_bfloat16* to = base + t * kLd2 + 8 * q;
-        if (t < nt && 8 * q < r) {
-          CpAsync16(SmemAddr(to), a + rows[t] * r + 8 * q);
-        } else {
-          *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    } else {
-      for (int e = tid; e < kC * kMPad; e += kThreads) {
-        const int t = e >> 6, n = e & (kMPad - 1);
-        const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
-        base[t * kLd2 + n] = t < nt && n < r ? a[rows[t] * r + n] : zero;
-      }
-    }
-    // w b: three planes [kC][kLd2], columns < kLd2: b's columns, the ones of
-    // vbar at dv, zero elsewhere and beyond nt. Lanes walk a row's columns.
-    {
-      constexpr int kPer = kC * kLd2 / kThreads;  // 36 elements per thread
-#pragma unroll 4
-      for (int u = 0; u < kPer; ++u) {
-        const int e = tid + u * kThreads, t = e / kLd2, n = e - t * kLd2;
-        float x = 0.f;
-        if (t < nt) {
-          if (n < bw) {
-            x = b_is_v ? Widen(static_cast<const __nv_bfloat16*>(bsrc)[rows[t] * dv + n])
-                       : __ldg(&static_cast<const float*>(bsrc)[rows[t] * p + n]);
-          } else if (b_is_v && n == dv) {
-            x = 1.f;
-          }
-          x *= w[t];
-        }
-        const __nv_bfloat16 x1 = __float2bfloat16_rn(x);
-        const float r1 = x - __bfloat162float(x1);
-        const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
-        base[kTile2 + e] = x1;
-        base[2 * kTile2 + e] = x2;
-        base[3 * kTile2 + e] = __float2bfloat16_rn(r1 - __bfloat162float(x2));
-      }
-    }
-    if (vec_in) CpAsyncWaitAll();
-    __syncthreads();
-    const int ksteps = (nt + 15) >> 4;
-    for (int ks = 0; ks < ksteps; ++ks) {
-      uint32_t af[4];
-      Ldsm4T(af, SmemAddr(base) + 2u * static_cast<uint32_t>(16 * ks * kLd2 + m0 + off_a));
-#pragma unroll
-      for (int q = 2; q >= 0; --q) {
-#pragma unroll
-        for (int np = 0; np < 3; ++np) {
-          if (2 * np >= n_count) break;
-          uint32_t bf[4];
-          Ldsm4T(bf, SmemAddr(base) +
-                         2u * static_cast<uint32_t>((1 + q) * kTile2 + 16 * ks * kLd2 +
-                                                    8 * (n_first + 2 * np) + off_b));
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int j = 2 * np + h2;
-            if (j >= n_count) break;
-            Mma(q == 0 ? acc[j] : cor[j], af, bf[2 * h2], bf[2 * h2 + 1]);
-          }
-        }
-      }
-    }
-  }
-
-  float* dst = out + ((static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(grp) * lay.og +
-                       static_cast<int64_t>(h) * lay.oh) *
-                          segments +
-                      seg) *
-                         static_cast<int64_t>(r) * p;
-#pragma unroll
-  for (int j = 0; j < 5; ++j) {
-    if (j >= n_count) break;
-    const int col = (n_first + j) * 8 + 2 * tig;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = m0 + gid + (e >= 2 ? 8 : 0), c = col + (e & 1);
-      if (row < r && c < p) dst[row * p + c] = acc[j][e] + cor[j][e];
-    }
-  }
-}
-
-cudaError_t LaunchOuter2(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                         const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
-                         const SmatMatrixLayout& lay, float* out, cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(OuterSumMma2Kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem2Bytes);
-  if (err != cudaSuccess) return err;
-  const bool vec = d.r % 8 == 0 && Aligned16(a);
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
-  OuterSumMma2Kernel<<<grid, kThreads, kSmem2Bytes, stream>>>(
-      d, groups, segments, vec, static_cast<const __nv_bfloat16*>(a), b, b_is_v, w, lay, out);
   return cudaGetLastError();
 }
 
@@ -688,7 +517,7 @@ bool SmatUseMmaGrouped(const SmatCudaDims& d, bool reads) {
           cudaSuccess) {
     return false;
   }
-  return major >= 8 && smem >= kSmemBytes && smem >= kSmem2Bytes && smem >= kReadsSmemBytes;
+  return major >= 8 && smem >= kSmemBytes && smem >= kReadsSmemBytes;
 }
 
 cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& d, const SmatTokenGroups& groups,
@@ -697,7 +526,6 @@ cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& d, const SmatTokenG
                                          float* out, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (d.bf16) {
-    if (kOuterSums2ForBf16) return LaunchOuter2(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
     return b_is_v ? Launch<__nv_bfloat16, 1>(d, groups, segments, a, b, b_is_v, w, lay, out, stream)
                   : Launch<__nv_bfloat16, 3>(d, groups, segments, a, b, b_is_v, w, lay, out,
                                              stream);
