@@ -178,6 +178,12 @@ class ModelKernels {
                                             Tensor& dx, bool accumulate_dx, Tensor& d_w,
                                             Tensor& d_bias, Stream* stream = nullptr) = 0;
 
+  // y = ShortConv(x) (fp32) and f = softplus(y) (fp32 or bf16) in one pass:
+  // exactly ShortConvForward(x, prefix, w, y) then SoftplusForward(y, f).
+  // x, y, f pairwise distinct.
+  virtual absl::Status ShortConvSoftplusForward(const Tensor& x, const Tensor& prefix,
+                                                const Tensor& w, Tensor& y, Tensor& f,
+                                                Stream* stream = nullptr) = 0;
   // The backward of y = softplus(ShortConv(x)) in one pass: exactly
   // SoftplusBackward(z, dy, g) then ShortConvBackward(x, prefix, w, g, ...),
   // z [batch, L, C] fp32 the conv's output (the softplus input the forward

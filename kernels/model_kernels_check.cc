@@ -275,6 +275,20 @@ absl::StatusOr<Dims3> CheckShortConvForward(const Tensor& x, const Tensor& prefi
   return d;
 }
 
+absl::StatusOr<Dims3> CheckShortConvSoftplusForward(const Tensor& x, const Tensor& prefix,
+                                                    const Tensor& w, const Tensor& y,
+                                                    const Tensor& f, Device device) {
+  constexpr const char* kOp = "ShortConvSoftplusForward";
+  SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvInputs(x, prefix, w, kOp, device));
+  SMAT_RETURN_IF_ERROR(Expect(y, DType::kF32, {d.d0, d.d1, d.d2}, kOp, "y", device));
+  SMAT_RETURN_IF_ERROR(ExpectFloat(f, {d.d0, d.d1, d.d2}, kOp, "f", device));
+  for (const NamedTensor& t : {NamedTensor{x, "x"}, NamedTensor{y, "y"}}) {
+    SMAT_RETURN_IF_ERROR(ExpectDistinct(t.tensor, f, kOp, t.name, "f"));
+  }
+  SMAT_RETURN_IF_ERROR(ExpectDistinct(x, y, kOp, "x", "y"));
+  return d;
+}
+
 absl::StatusOr<Dims3> CheckShortConvBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                              const Tensor& dy, const Tensor& dx,
                                              const Tensor& d_prefix, const Tensor& d_w,

@@ -125,6 +125,12 @@ absl::StatusOr<Dims3> CheckShortConvBackward(const Tensor& x, const Tensor& pref
                                              const Tensor& d_prefix, const Tensor& d_w,
                                              Device device);
 
+// ShortConvSoftplusForward: x, prefix, w as ShortConvForward's, y fp32 and f
+// fp32 or bf16 [batch, L, C]; x, y, f pairwise distinct. Returns {batch, L, C}.
+absl::StatusOr<Dims3> CheckShortConvSoftplusForward(const Tensor& x, const Tensor& prefix,
+                                                    const Tensor& w, const Tensor& y,
+                                                    const Tensor& f, Device device);
+
 // ShortConvSoftplusBackward: the operands of ShortConvBackward and z fp32
 // [batch, L, C]; dx aliasing none of x, z, dy. Returns {batch, L, C}.
 absl::StatusOr<Dims3> CheckShortConvSoftplusBackward(const Tensor& x, const Tensor& prefix,

@@ -147,6 +147,17 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
   }
 
   std::optional<PhaseScope> stage(std::in_place, be, "fwd.mixer.conv_features");
+  // The features are read only by the SMat op unless a backward needs them
+  // (EXP's reads y; the key gate's reads psi_raw): then fp32, else written in
+  // the op's dtype.
+  const bool y_free = features_ != ModelConfig::EXP;
+  SMAT_ASSIGN_OR_RETURN(a->phi, y_free ? dense_->NewOperand({N, Cq}) : NewActivation(be, {N, Cq}));
+  SMAT_ASSIGN_OR_RETURN(a->psi_raw, y_free && p_.w_key_gate == nullptr
+                                        ? dense_->NewOperand({N, Cq})
+                                        : NewActivation(be, {N, Cq}));
+  // Softplus features of conv outputs: the conv writes them beside its output
+  // (ShortConvSoftplusForward, the same operations).
+  const bool fused = p_.conv_q != nullptr && features_ == ModelConfig::SOFTPLUS;
   if (p_.conv_q != nullptr) {
     // The conv reads 3 rows before the span: one halo exchange for q, k, v.
     const std::vector<Tensor> proj = {a->q_proj.View(0, {nb, L, Cq}),
@@ -164,8 +175,16 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
     SMAT_ASSIGN_OR_RETURN(a->v, dense_->NewOperand({N, Cv}));
     Tensor qy = a->q_in.View(0, {nb, L, Cq}), ky = a->k_in.View(0, {nb, L, Cq}),
            vy = a->v.View(0, {nb, L, Cv});
-    SMAT_RETURN_IF_ERROR(kernels_->ShortConvForward(proj[0], prefix[0], p_.conv_q->value, qy));
-    SMAT_RETURN_IF_ERROR(kernels_->ShortConvForward(proj[1], prefix[1], p_.conv_k->value, ky));
+    if (fused) {
+      Tensor qf = a->phi.View(0, {nb, L, Cq}), kf = a->psi_raw.View(0, {nb, L, Cq});
+      SMAT_RETURN_IF_ERROR(
+          kernels_->ShortConvSoftplusForward(proj[0], prefix[0], p_.conv_q->value, qy, qf));
+      SMAT_RETURN_IF_ERROR(
+          kernels_->ShortConvSoftplusForward(proj[1], prefix[1], p_.conv_k->value, ky, kf));
+    } else {
+      SMAT_RETURN_IF_ERROR(kernels_->ShortConvForward(proj[0], prefix[0], p_.conv_q->value, qy));
+      SMAT_RETURN_IF_ERROR(kernels_->ShortConvForward(proj[1], prefix[1], p_.conv_k->value, ky));
+    }
     SMAT_RETURN_IF_ERROR(kernels_->ShortConvForward(proj[2], prefix[2], p_.conv_v->value, vy));
   } else {
     a->q_in = a->q_proj;
@@ -173,16 +192,10 @@ absl::Status SmatMixer::Forward(const MixerStep& step, const Tensor& x, MixerAct
     a->v = a->v_proj;
   }
 
-  // The features are read only by the SMat op unless a backward needs them
-  // (EXP's reads y; the key gate's reads psi_raw): then fp32, else written in
-  // the op's dtype.
-  const bool y_free = features_ != ModelConfig::EXP;
-  SMAT_ASSIGN_OR_RETURN(a->phi, y_free ? dense_->NewOperand({N, Cq}) : NewActivation(be, {N, Cq}));
-  SMAT_ASSIGN_OR_RETURN(a->psi_raw, y_free && p_.w_key_gate == nullptr
-                                        ? dense_->NewOperand({N, Cq})
-                                        : NewActivation(be, {N, Cq}));
-  SMAT_RETURN_IF_ERROR(Features(a->q_in, a->phi));
-  SMAT_RETURN_IF_ERROR(Features(a->k_in, a->psi_raw));
+  if (!fused) {
+    SMAT_RETURN_IF_ERROR(Features(a->q_in, a->phi));
+    SMAT_RETURN_IF_ERROR(Features(a->k_in, a->psi_raw));
+  }
   stage.emplace(be, "fwd.mixer.gates");
   if (p_.w_key_gate != nullptr) {
     SMAT_ASSIGN_OR_RETURN(a->key_gate, NewActivation(be, {N, H_}));

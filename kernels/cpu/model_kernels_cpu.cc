@@ -396,6 +396,13 @@ class CpuModelKernels final : public ModelKernels {
     return absl::OkStatus();
   }
 
+  absl::Status ShortConvSoftplusForward(const Tensor& x, const Tensor& prefix, const Tensor& w,
+                                        Tensor& y, Tensor& f, Stream*) override {
+    SMAT_RETURN_IF_ERROR(CheckShortConvSoftplusForward(x, prefix, w, y, f, kHost).status());
+    SMAT_RETURN_IF_ERROR(ShortConvForward(x, prefix, w, y, nullptr));
+    return SoftplusForward(y, f, nullptr);
+  }
+
   absl::Status ShortConvSoftplusBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                          const Tensor& z, const Tensor& dy, Tensor& dx,
                                          Tensor& d_prefix, Tensor& d_w, Stream*) override {

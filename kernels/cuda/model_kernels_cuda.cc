@@ -278,6 +278,16 @@ class CudaModelKernels final : public ModelKernels {
         "ShortConvForward kernel");
   }
 
+  absl::Status ShortConvSoftplusForward(const Tensor& x, const Tensor& prefix, const Tensor& w,
+                                        Tensor& y, Tensor& f, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(Dims3 d, CheckShortConvSoftplusForward(x, prefix, w, y, f, device()));
+    const auto [nb, L, C] = d;
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    return CudaStatus(LaunchShortConvSoftplusForward(F32(x), F32(prefix), F32(w), F32(y), f.raw(),
+                                                     IsBf16(f), nb, L, C, s),
+                      "ShortConvSoftplusForward kernel");
+  }
+
   absl::Status ShortConvBackward(const Tensor& x, const Tensor& prefix, const Tensor& w,
                                  const Tensor& dy, Tensor& dx, Tensor& d_prefix, Tensor& d_w,
                                  Stream* stream) override {

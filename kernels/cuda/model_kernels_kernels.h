@@ -141,6 +141,11 @@ cudaError_t LaunchExpRowMaxBackward(const float* x, const float* y, const float*
 cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, void* y,
                                    bool y_bf16, int64_t nb, int64_t L, int64_t C,
                                    cudaStream_t stream);
+// LaunchShortConvForward with y fp32 and a second output f = softplus(y)
+// (SoftplusForward's operations): fp32, or (f_bf16) bf16 bits rounded from it.
+cudaError_t LaunchShortConvSoftplusForward(const float* x, const float* prefix, const float* w,
+                                           float* y, void* f, bool f_bf16, int64_t nb, int64_t L,
+                                           int64_t C, cudaStream_t stream);
 // Partial rows LaunchShortConvBackward needs (partials [that, K, C]).
 int64_t ShortConvBackwardPartials(int64_t nb, int64_t L);
 // One pass over x, prefix and dy: dx and d_prefix as the CPU; d_w[j, c] +=

@@ -3,6 +3,7 @@
 // use, and the width-K short causal depthwise convolution.
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/model_kernels_device.cuh"
 
@@ -338,11 +339,15 @@ __device__ __forceinline__ const float* ConvRow(const float* x, const float* pre
 // y rows t0 .. t0 + kConvRun - 1 (those below L unless kFull: all of them).
 // win[k] holds input row t0 - (K-1) + k for k < K-1 on entry. As the CPU:
 // y = 0, then y += w[j] * in[t - (K-1) + j] for j = 0, 1, ..., K-1.
-template <int V, bool kFull, typename TY>
+// TF: the type of a second output softplus(y) (SoftplusForward's operations),
+// or NoFeatures (none).
+struct NoFeatures {};
+
+template <int V, bool kFull, typename TY, typename TF>
 __device__ __forceinline__ void ConvForwardRun(const float* __restrict__ xb,
-                                               TY* __restrict__ yb, int64_t rows_left,
-                                               int64_t C, const Vec<V> (&wt)[K],
-                                               Vec<V> (&win)[K]) {
+                                               TY* __restrict__ yb, TF* __restrict__ fb,
+                                               int64_t rows_left, int64_t C,
+                                               const Vec<V> (&wt)[K], Vec<V> (&win)[K]) {
 #pragma unroll
   for (int k0 = 0; k0 < kConvRun; k0 += kConvForwardBatch) {
     Vec<V> in[kConvForwardBatch];  // the batch's loads first, then its outputs
@@ -363,6 +368,12 @@ __device__ __forceinline__ void ConvForwardRun(const float* __restrict__ xb,
           out.v[q] = o;
         }
         StoreVec<V>(yb + (k0 + k) * C, out);
+        if constexpr (!std::is_same_v<TF, NoFeatures>) {
+          Vec<V> f;
+#pragma unroll
+          for (int q = 0; q < V; ++q) f.v[q] = 1.f * Softplus(out.v[q]);
+          StoreVec<V>(fb + (k0 + k) * C, f);
+        }
 #pragma unroll
         for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
       }
@@ -370,11 +381,11 @@ __device__ __forceinline__ void ConvForwardRun(const float* __restrict__ xb,
   }
 }
 
-template <int V, typename TY>
+template <int V, typename TY, typename TF>
 __global__ void __launch_bounds__(kWarp * kConvGroups)
     ShortConvForwardKernel(const float* __restrict__ x, const float* __restrict__ prefix,
-                           const float* __restrict__ w, TY* __restrict__ y, int64_t nb,
-                           int64_t L, int64_t C) {
+                           const float* __restrict__ w, TY* __restrict__ y,
+                           TF* __restrict__ f, int64_t nb, int64_t L, int64_t C) {
   const int lane = threadIdx.x % kWarp, g = threadIdx.x / kWarp;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kWarp + lane) * V;
   const int64_t runs = ConvRuns(L);
@@ -390,10 +401,11 @@ __global__ void __launch_bounds__(kWarp * kConvGroups)
   }
   const float* xb = x + (b * L + t0) * C + c;
   TY* yb = y + (b * L + t0) * C + c;
+  TF* fb = f != nullptr ? f + (b * L + t0) * C + c : nullptr;
   if (t0 + kConvRun <= L) {
-    ConvForwardRun<V, true, TY>(xb, yb, L - t0, C, wt, win);
+    ConvForwardRun<V, true, TY, TF>(xb, yb, fb, L - t0, C, wt, win);
   } else {
-    ConvForwardRun<V, false, TY>(xb, yb, L - t0, C, wt, win);
+    ConvForwardRun<V, false, TY, TF>(xb, yb, fb, L - t0, C, wt, win);
   }
 }
 
@@ -644,29 +656,50 @@ int64_t ShortConvBackwardPartials(int64_t nb, int64_t L) {
   return std::max<int64_t>(1, (nb * ConvRuns(L) + kConvGroups - 1) / kConvGroups);
 }
 
+namespace {
+
+template <typename TY, typename TF>
+cudaError_t ShortConvForwardAs(const float* x, const float* prefix, const float* w, TY* y, TF* f,
+                               bool vec, int64_t nb, int64_t L, int64_t C, cudaStream_t stream) {
+  const int64_t tiles = (C / (vec ? 4 : 1) + kWarp - 1) / kWarp;
+  const int64_t blocks = (nb * ConvRuns(L) + kConvGroups - 1) / kConvGroups;
+  if (tiles > 65535 || blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
+  const unsigned threads = kWarp * kConvGroups;
+  if (vec) {
+    ShortConvForwardKernel<4, TY, TF><<<grid, threads, 0, stream>>>(x, prefix, w, y, f, nb, L, C);
+  } else {
+    ShortConvForwardKernel<1, TY, TF><<<grid, threads, 0, stream>>>(x, prefix, w, y, f, nb, L, C);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 cudaError_t LaunchShortConvForward(const float* x, const float* prefix, const float* w, void* y,
                                    bool y_bf16, int64_t nb, int64_t L, int64_t C,
                                    cudaStream_t stream) {
   if (nb * L * C == 0) return cudaSuccess;
   const bool y_aligned = (reinterpret_cast<uintptr_t>(y) & (y_bf16 ? 7u : 15u)) == 0;
   const bool vec = C % 4 == 0 && Aligned16(x) && Aligned16(prefix) && Aligned16(w) && y_aligned;
-  const int64_t tiles = (C / (vec ? 4 : 1) + kWarp - 1) / kWarp;
-  const int64_t blocks = (nb * ConvRuns(L) + kConvGroups - 1) / kConvGroups;
-  if (tiles > 65535 || blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
-  uint16_t* yh = static_cast<uint16_t*>(y);
-  float* yf = static_cast<float*>(y);
-  const unsigned threads = kWarp * kConvGroups;
-  if (vec && y_bf16) {
-    ShortConvForwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, yh, nb, L, C);
-  } else if (vec) {
-    ShortConvForwardKernel<4><<<grid, threads, 0, stream>>>(x, prefix, w, yf, nb, L, C);
-  } else if (y_bf16) {
-    ShortConvForwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, yh, nb, L, C);
-  } else {
-    ShortConvForwardKernel<1><<<grid, threads, 0, stream>>>(x, prefix, w, yf, nb, L, C);
+  NoFeatures* none = nullptr;
+  if (y_bf16) {
+    return ShortConvForwardAs(x, prefix, w, static_cast<uint16_t*>(y), none, vec, nb, L, C, stream);
   }
-  return cudaGetLastError();
+  return ShortConvForwardAs(x, prefix, w, static_cast<float*>(y), none, vec, nb, L, C, stream);
+}
+
+cudaError_t LaunchShortConvSoftplusForward(const float* x, const float* prefix, const float* w,
+                                           float* y, void* f, bool f_bf16, int64_t nb, int64_t L,
+                                           int64_t C, cudaStream_t stream) {
+  if (nb * L * C == 0) return cudaSuccess;
+  const bool f_aligned = (reinterpret_cast<uintptr_t>(f) & (f_bf16 ? 7u : 15u)) == 0;
+  const bool vec = C % 4 == 0 && Aligned16(x) && Aligned16(prefix) && Aligned16(w) &&
+                   Aligned16(y) && f_aligned;
+  if (f_bf16) {
+    return ShortConvForwardAs(x, prefix, w, y, static_cast<uint16_t*>(f), vec, nb, L, C, stream);
+  }
+  return ShortConvForwardAs(x, prefix, w, y, static_cast<float*>(f), vec, nb, L, C, stream);
 }
 
 cudaError_t LaunchShortConvBackward(const float* x, const float* prefix, const float* w,

@@ -1013,6 +1013,23 @@ TEST_F(ModelKernelsBf16GpuTest, ShortConvSoftplusBackwardEqualsTheSeparateOps) {
     Tensor alias = Dev(hdy), dp = Poisoned({nb, K - 1, C}), dw = Dev(hdw0);
     const absl::Status s = gmk_->ShortConvSoftplusBackward(x, prefix, w, z, alias, alias, dp, dw);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    // The forward: y and softplus(y) (fp32 and bf16) as the separate ops.
+    for (bool f16 : {false, true}) {
+      SCOPED_TRACE(f16 ? "forward, bf16 f" : "forward, fp32 f");
+      Tensor y = Poisoned({nb, L, C}), f = f16 ? P16({nb, L, C}) : Poisoned({nb, L, C});
+      SMAT_ASSERT_OK(gmk_->ShortConvForward(x, prefix, w, y));
+      SMAT_ASSERT_OK(gmk_->SoftplusForward(y, f));
+      Tensor y2 = Poisoned({nb, L, C}), f2 = f16 ? P16({nb, L, C}) : Poisoned({nb, L, C});
+      SMAT_ASSERT_OK(gmk_->ShortConvSoftplusForward(x, prefix, w, y2, f2));
+      ExpectBitwise(Host(y2), Host(y), "ShortConvSoftplusForward y");
+      ExpectBitwise(Host(f2), Host(f), "ShortConvSoftplusForward f");
+      if (!f16) {
+        Tensor cy = Clone(hx), cf = Clone(hx);
+        SMAT_ASSERT_OK(cmk_->ShortConvSoftplusForward(hx, hp, hw, cy, cf));
+        ExpectBitwise(Host(y2), cy, "ShortConvSoftplusForward y vs CPU");
+        ExpectClose(Host(f2), cf, 1e-5, 1e-6, "ShortConvSoftplusForward f vs CPU");
+      }
+    }
   }
 }
 

@@ -917,6 +917,22 @@ TEST_F(ModelKernelsBf16Test, ShortConvSoftplusBackwardEqualsTheSeparateOps) {
   EXPECT_NE(std::string(s.message()).find("dx may not alias z"), std::string::npos) << s;
   s = mk_->ShortConvSoftplusBackward(x, prefix, w, Randn({nb, L, C + 1}, 158), dy, dx2w, dp2, dw3);
   EXPECT_NE(std::string(s.message()).find("ShortConvSoftplusBackward: z"), std::string::npos) << s;
+  // The forward: the conv's output and its softplus (fp32 and bf16).
+  Tensor y = Zeros({nb, L, C}), f = Zeros({nb, L, C});
+  ASSERT_TRUE(mk_->ShortConvForward(x, prefix, w, y).ok());
+  ASSERT_TRUE(mk_->SoftplusForward(y, f).ok());
+  Tensor y2 = Zeros({nb, L, C}), f2 = Zeros({nb, L, C}), f16 = Bf16NaN({nb, L, C});
+  ASSERT_TRUE(mk_->ShortConvSoftplusForward(x, prefix, w, y2, f2).ok());
+  ExpectSameBits(y2, y, "ShortConvSoftplusForward y");
+  ExpectSameBits(f2, f, "ShortConvSoftplusForward f");
+  ASSERT_TRUE(mk_->ShortConvSoftplusForward(x, prefix, w, y2, f16).ok());
+  ExpectSameBits(f16, To(f, DType::kBF16), "ShortConvSoftplusForward bf16 f");
+  s = mk_->ShortConvSoftplusForward(x, prefix, w, y2, y2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("f may not alias y"), std::string::npos) << s;
+  Tensor y16 = Bf16NaN({nb, L, C});
+  s = mk_->ShortConvSoftplusForward(x, prefix, w, y16, f2);
+  EXPECT_NE(std::string(s.message()).find("ShortConvSoftplusForward: y"), std::string::npos) << s;
 }
 
 }  // namespace
