@@ -33,7 +33,11 @@ __global__ void RmsNormForwardKernel(const float* x, const float* __restrict__ w
 }
 
 // sum = a + b (the residual add, may alias a or b), then RmsNormForwardKernel
-// on sum's values: the same operations in the same order.
+// on sum's values: the same operations in the same order. Rows of at most
+// kAddNormPerLane * 32 columns are read whole into registers before the first
+// store (sum may alias a or b, so a later load could not pass an earlier store).
+constexpr int kAddNormPerLane = 16;
+
 template <typename TY>
 __global__ void AddRmsNormForwardKernel(const float* a, const float* b, float* sum,
                                         const float* __restrict__ w, float eps, TY* y,
@@ -43,10 +47,27 @@ __global__ void AddRmsNormForwardKernel(const float* a, const float* b, float* s
   if (i >= N) return;
   float* row = sum + i * W;
   double ss = 0.0;
-  for (int64_t j = lane; j < W; j += kWarp) {
-    const float s = __fadd_rn(a[i * W + j], b[i * W + j]);
-    row[j] = s;
-    ss += double{s} * s;
+  if (W <= int64_t{kWarp} * kAddNormPerLane) {
+    float v[kAddNormPerLane];
+#pragma unroll
+    for (int k = 0; k < kAddNormPerLane; ++k) {
+      const int64_t j = lane + int64_t{kWarp} * k;
+      v[k] = j < W ? __fadd_rn(a[i * W + j], b[i * W + j]) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kAddNormPerLane; ++k) {
+      const int64_t j = lane + int64_t{kWarp} * k;
+      if (j < W) {
+        row[j] = v[k];
+        ss += double{v[k]} * v[k];
+      }
+    }
+  } else {
+    for (int64_t j = lane; j < W; j += kWarp) {
+      const float s = __fadd_rn(a[i * W + j], b[i * W + j]);
+      row[j] = s;
+      ss += double{s} * s;
+    }
   }
   ss = WarpSum(ss);
   const float r = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(W) + double{eps}));
@@ -56,10 +77,13 @@ __global__ void AddRmsNormForwardKernel(const float* a, const float* b, float* s
   }
 }
 
-// dx (+ res when not null: the residual path's gradient, added last).
+// dx (+ res when not null: the residual path's gradient, added last). res
+// never overlaps dx (CheckRmsNormBackwardAdd), so its loads need not wait for
+// the stores to dx.
 __global__ void RmsNormBackwardInputKernel(const float* __restrict__ x, const float* __restrict__ w,
                                            const float* __restrict__ rstd,
-                                           const float* __restrict__ dy, const float* res,
+                                           const float* __restrict__ dy,
+                                           const float* __restrict__ res,
                                            float* __restrict__ dx, int64_t N, int64_t W) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
@@ -205,7 +229,8 @@ int64_t NormRowsPerBlock(int64_t N) {
 __global__ void __launch_bounds__(kWarp * kNormWarps, 3)
     RmsNormBackwardFusedKernel(const float* x, const float* __restrict__ w,
                                const float* __restrict__ rstd, const float* __restrict__ dy,
-                               const float* res, float* dx, float* __restrict__ partials,
+                               const float* __restrict__ res, float* dx,
+                               float* __restrict__ partials,
                                int64_t N, int64_t W, int64_t rows_per) {
   const int lane = threadIdx.x % kWarp, g = threadIdx.x / kWarp;
   __shared__ float acc[kNormWarps][kNormMaxW];
