@@ -1,7 +1,8 @@
 // Device pieces shared by the CUDA model kernels (model_kernels_*.cu): the
-// launch shape, grid-stride indexing, the CPU's sigmoid and softplus formulas
-// with the accurate expf / log1pf, and fixed-order warp and block reductions
-// (every lane or thread gets the same bits).
+// launch shape, grid-stride indexing, the column sums' shared stages, the
+// CPU's sigmoid and softplus formulas with the accurate expf / log1pf, and
+// fixed-order warp and block reductions (every lane or thread gets the same
+// bits).
 #pragma once
 
 #include <algorithm>
@@ -23,6 +24,16 @@ inline int Blocks(int64_t n, int max_blocks) {
 }
 
 inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+constexpr int kRowWarps = 8;  // rows (warps) per block of the per-row kernels
+
+// Shared by the RMSNorm, short conv and narrow linear kernels; defined in
+// model_kernels_norm.cu. Rows per block of the two-stage column sums (a
+// multiple of their row groups), and the grouped stage 2 of the fused backward
+// kernels: out[j] += the sum of partials[p, j] over p < P in a fixed order.
+int64_t RowsPerPartial(int64_t rows);
+cudaError_t LaunchAddPartialsGrouped(const float* partials, int64_t P, int64_t cols, float* out,
+                                     cudaStream_t stream);
 
 __device__ __forceinline__ int64_t GlobalThread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
