@@ -1,7 +1,8 @@
 // The fixture and comparisons of the CUDA model-kernel tests
-// (model_kernels_gpu_test.cc, model_kernels_timing_gpu_test.cc,
-// cuda_allocator_test.cc): both backends' ModelKernels, random host inputs,
-// NaN-poisoned device outputs, and bitwise / close comparisons against the CPU.
+// (model_kernels_gpu_test.cc, model_kernels_bf16_gpu_test.cc,
+// model_kernels_timing_gpu_test.cc, cuda_allocator_test.cc): both backends'
+// ModelKernels, random host inputs, NaN-poisoned device outputs, and bitwise /
+// close comparisons against the CPU.
 // The fixture lives in a named namespace so that every file's tests share one
 // test suite type.
 #pragma once
