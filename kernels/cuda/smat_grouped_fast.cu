@@ -114,10 +114,26 @@ __global__ void __launch_bounds__(kThreads)
 //   kBoth:   out_r[i] += w_i (M vbar_i),  out_v[i] += w_i (M^T a_i)[0:dv]
 // grid (segments, G, batch * H), 256 threads; rows = tokens (8 per thread),
 // 4 columns per thread, k in increasing order; column 64 of out_p (p = 65) by
-// two half sums added in order. Shared: Ma [64][kLdF] = M, Mg [kK1][kLdF] =
-// M^T, At [64][kC], Bt [kK1][kC], rows, w, partial sums.
-constexpr int kReadsSmemFloats = kW * kLdF + kK1 * kLdF + kW * kC + kK1 * kC + 2 * kC + 2 * kC +
-                                 2 * kC;  // the last 2 kC: rows, kC int64
+// two half sums added in order. Shared: Ma [64][kLdF] = M and At [64][kC]
+// (kinds with an a-side product), Mg [kK1][kLdF] = M^T and Bt [kK1][kC] (kinds
+// with a b-side product), rows, w, partial sums. Each kind holds only its own
+// buffers (52 KB for kVecMat and kMatVec), so their blocks fit three per SM
+// at their register counts; kBoth needs all (104 KB, two per SM).
+template <SmatReadKind kRead>
+struct ReadsSmem {
+  static constexpr bool kA = kRead != SmatReadKind::kMatVec;
+  static constexpr bool kG = kRead != SmatReadKind::kVecMat;
+  static constexpr int kMa = 0;
+  static constexpr int kMg = kMa + (kA ? kW * kLdF : 0);
+  static constexpr int kAt = kMg + (kG ? kK1 * kLdF : 0);
+  static constexpr int kBt = kAt + (kA ? kW * kC : 0);
+  static constexpr int kWOff = kBt + (kG ? kK1 * kC : 0);
+  static constexpr int kPart = kWOff + 2 * kC;
+  static constexpr int kRows = kPart + 2 * kC;     // kC int64 = 2 kC floats
+  static constexpr int kFloats = kRows + 2 * kC;
+  static_assert(kMg % 4 == 0 && kAt % 4 == 0 && kBt % 4 == 0 && kRows % 2 == 0,
+                "16-byte aligned tiles, 8-byte aligned rows");
+};
 
 template <typename T>
 __device__ void StageTransposedRows(const T* src, int width, const int64_t* rows, int nt, int K1,
@@ -178,13 +194,15 @@ __global__ void __launch_bounds__(kThreads)
   constexpr bool kA = kRead != SmatReadKind::kMatVec;  // a-side product (out_p or out_v)
   constexpr bool kG = kRead != SmatReadKind::kVecMat;  // b-side product (out_r)
   extern __shared__ float4 smem4[];
-  float* Ma = reinterpret_cast<float*>(smem4);
-  float* Mg = Ma + kW * kLdF;
-  float* At = Mg + kK1 * kLdF;
-  float* Bt = At + kW * kC;
-  float* w = Bt + kK1 * kC;
-  float* part = w + 2 * kC;
-  int64_t* rows = reinterpret_cast<int64_t*>(part + 2 * kC);
+  using Smem = ReadsSmem<kRead>;
+  float* sm = reinterpret_cast<float*>(smem4);
+  float* Ma = sm + Smem::kMa;
+  float* Mg = sm + Smem::kMg;
+  float* At = sm + Smem::kAt;
+  float* Bt = sm + Smem::kBt;
+  float* w = sm + Smem::kWOff;
+  float* part = sm + Smem::kPart;
+  int64_t* rows = reinterpret_cast<int64_t*>(sm + Smem::kRows);
   const int seg = blockIdx.x, g = blockIdx.y;
   const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
   const cuda_detail::GroupCursor cur(groups, d, bh, g);
@@ -263,7 +281,7 @@ cudaError_t LaunchReads(const SmatCudaDims& d, const SmatTokenGroups& groups, in
                         const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                         const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
                         float* out_v, cudaStream_t stream) {
-  constexpr size_t kSmem = sizeof(float) * kReadsSmemFloats;
+  constexpr size_t kSmem = sizeof(float) * ReadsSmem<kRead>::kFloats;
   auto kernel = GroupReadsKernel<kRead, In>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
