@@ -1,9 +1,8 @@
 // Pieces of the SMat tensor-core kernels (smat_chunk_bwd_mma.cu,
 // smat_chunk_fwd_mma.cu, smat_grouped_mma.cu): shared-memory addresses,
-// 16-byte cp.async and the staging of bf16 token rows with it, ldmatrix, the
-// m16n8k16 bf16 mma with fp32 accumulation, and the split of fp32 values into
-// three bf16 parts x = x1 + x2 + x3 (24 significant bits: exact for normal
-// fp32) with the products of the
+// 16-byte cp.async, ldmatrix, the m16n8k16 bf16 mma with fp32 accumulation,
+// and the split of fp32 values into three bf16 parts x = x1 + x2 + x3
+// (24 significant bits: exact for normal fp32) with the products of the
 // exactness scheme (smat_chunk_mma.cu): one exact operand 3 MMAs, two split
 // operands the 6 terms down to 2^-16 relative, the correction terms summed
 // smallest first in an accumulator (lo) of their own.
@@ -104,45 +103,6 @@ __device__ __forceinline__ void Mma3x3(float (&hi)[4], float (&lo)[4], const uin
   Mma(lo, a[0], b[1][0], b[1][1]);
   Mma(lo, a[1], b[0][0], b[0][1]);
   Mma(hi, a[0], b[0][0], b[0][1]);
-}
-
-// dst[t][n] (row pitch kPitch bf16) = src[t * stride + n] for t < ce, n < width;
-// 0 for the other t < kRows, n < kCols (columns kCols .. kPitch - 1 are left
-// alone). vec: width % 8 == 0 and rows 16-byte aligned: 16-byte cp.async (the
-// caller waits with CpAsyncWaitAll), else element by element. The block's
-// kThreads threads share the work.
-template <int kRows, int kCols, int kPitch, int kThreads>
-__device__ __forceinline__ void StageBf16Rows(const __nv_bfloat16* src, int64_t stride, int width,
-                                              int ce, bool vec, __nv_bfloat16* dst) {
-  static_assert(kCols % 8 == 0, "rows are copied 8 bf16 (16 bytes) at a time");
-  constexpr int kQ = kCols / 8;
-  if (vec) {
-    for (int e = threadIdx.x; e < kRows * kQ; e += kThreads) {
-      const int t = e / kQ, q = e % kQ;
-      __nv_bfloat16* to = dst + t * kPitch + 8 * q;
-      if (t < ce && 8 * q < width) {
-        CpAsync16(SmemAddr(to), src + t * stride + 8 * q);
-      } else {
-        *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-  } else {
-    constexpr int kBatch = 8;
-    for (int e0 = threadIdx.x; e0 < kRows * kCols; e0 += kThreads * kBatch) {
-      __nv_bfloat16 x[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e / kCols, n = e % kCols;
-        const __nv_bfloat16 y = src[min(t, ce - 1) * stride + min(n, width - 1)];
-        x[u] = t < ce && n < width ? y : __float2bfloat16_rn(0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e / kCols, n = e % kCols;
-        dst[t * kPitch + n] = x[u];
-      }
-    }
-  }
 }
 
 }  // namespace mma_tiles
