@@ -71,13 +71,17 @@ absl::Status ExpectNoMixedAlias(const Tensor& in, const Tensor& out, const char*
   return absl::OkStatus();
 }
 
+// t is a defined rank-2 tensor (checked before its shape is used).
+absl::Status ExpectRank2(const Tensor& t, const char* op, const char* operand) {
+  if (t.defined() && t.rank() == 2) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " must be a rank-2 tensor",
+                                                 t.defined() ? "; got " + t.DebugString() : ""));
+}
+
 // Rank-2 fp32 tensor on `device`: returns {rows, cols}.
 absl::StatusOr<RowsCols> Matrix(const Tensor& t, const char* op, const char* operand,
                                 Device device) {
-  if (!t.defined() || t.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", operand, " must be a rank-2 tensor",
-                                                   t.defined() ? "; got " + t.DebugString() : ""));
-  }
+  SMAT_RETURN_IF_ERROR(ExpectRank2(t, op, operand));
   SMAT_RETURN_IF_ERROR(Expect(t, DType::kF32, t.shape(), op, operand, device));
   return RowsCols{t.dim(0), t.dim(1)};
 }
@@ -367,11 +371,7 @@ absl::Status CheckFeatureMapForward(FeatureMap f, const Tensor& x, const Tensor&
 absl::StatusOr<RowsCols> CheckSwiGluForward(const Tensor& gate, const Tensor& up, const Tensor& y,
                                             Device device) {
   constexpr const char* kOp = "SwiGluForward";
-  if (!gate.defined() || gate.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": gate must be a rank-2 tensor",
-                                                   gate.defined() ? "; got " + gate.DebugString()
-                                                                  : ""));
-  }
+  SMAT_RETURN_IF_ERROR(ExpectRank2(gate, kOp, "gate"));
   const RowsCols nf{gate.dim(0), gate.dim(1)};
   SMAT_RETURN_IF_ERROR(ExpectFloat(gate, gate.shape(), kOp, "gate", device));
   SMAT_RETURN_IF_ERROR(Expect(up, gate.dtype(), gate.shape(), kOp, "up", device));
@@ -385,11 +385,7 @@ absl::StatusOr<RowsCols> CheckSwiGluBackward(const Tensor& gate, const Tensor& u
                                              const Tensor& d_gate, const Tensor& d_up,
                                              Device device) {
   constexpr const char* kOp = "SwiGluBackward";
-  if (!gate.defined() || gate.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": gate must be a rank-2 tensor",
-                                                   gate.defined() ? "; got " + gate.DebugString()
-                                                                  : ""));
-  }
+  SMAT_RETURN_IF_ERROR(ExpectRank2(gate, kOp, "gate"));
   const RowsCols nf{gate.dim(0), gate.dim(1)};
   SMAT_RETURN_IF_ERROR(ExpectFloat(gate, gate.shape(), kOp, "gate", device));
   SMAT_RETURN_IF_ERROR(Expect(up, gate.dtype(), gate.shape(), kOp, "up", device));
@@ -410,13 +406,8 @@ namespace {
 // and w [out, in] (fp32 or bf16), 1 <= out <= kNarrowLinearMaxOut.
 absl::StatusOr<Dims3> CheckNarrowOperands(const char* op, const Tensor& x, const Tensor& w,
                                           Device device) {
-  for (const NamedTensor& t : {NamedTensor{x, "x"}, NamedTensor{w, "w"}}) {
-    if (!t.tensor.defined() || t.tensor.rank() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op, ": ", t.name, " must be a rank-2 tensor",
-                       t.tensor.defined() ? "; got " + t.tensor.DebugString() : ""));
-    }
-  }
+  SMAT_RETURN_IF_ERROR(ExpectRank2(x, op, "x"));
+  SMAT_RETURN_IF_ERROR(ExpectRank2(w, op, "w"));
   const Dims3 d{x.dim(0), x.dim(1), w.dim(0)};
   SMAT_RETURN_IF_ERROR(ExpectFloat(x, x.shape(), op, "x", device));
   if (d.d2 < 1 || d.d2 > kNarrowLinearMaxOut) {
