@@ -139,7 +139,14 @@ case "$mode" in
       sleep 0.2
     done
     expect_value "count(ALERTS{alertname=\"SmatLossNotFinite\",alertstate=\"firing\",job=\"$job\"})" 1
-    expect_value "count(last_over_time(smat_loss_is_finite{job=\"$job\"}[5m]) == 0)" 2
+    # The ranks reach their NaN at different steps, so the alert can fire on
+    # the first rank's before the second's is scraped: wait for both.
+    nonfinite="count(last_over_time(smat_loss_is_finite{job=\"$job\"}[5m]) == 0)"
+    for _ in $(seq 150); do  # 30 s
+      [[ "$(query "$nonfinite")" == 2 ]] && break
+      sleep 0.2
+    done
+    expect_value "$nonfinite" 2
     for _ in $(seq 150); do  # 30 s
       kill -0 "$job_pid" 2>/dev/null || break
       sleep 0.2
