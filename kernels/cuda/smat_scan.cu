@@ -176,22 +176,40 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
 }
 
 // ---- F8 ---------------------------------------------------------------------------
-__global__ void NormalizeKernel(SmatCudaDims d, const float* __restrict__ ybar, float eps,
-                                void* __restrict__ o, bool o_bf16, float* __restrict__ den) {
-  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       idx < rows * d.dv; idx += stride) {
-    const int64_t row = idx / d.dv, j = idx % d.dv;
-    const float dn = ybar[row * d.p + d.dv] + eps;
-    const float val = ybar[row * d.p + j] / dn;
-    if (o_bf16) {
-      static_cast<__nv_bfloat16*>(o)[idx] = __float2bfloat16(val);
+// One block per kNormRows rows; a thread writes kV consecutive outputs of a
+// row (kV = 2: pairs, dv even). Indices are 32-bit inside the tile.
+constexpr int kNormRows = 64;
+
+template <int kV>
+__global__ void NormalizeKernel(SmatCudaDims d, int64_t rows_total,
+                                const float* __restrict__ ybar, float eps, void* __restrict__ o,
+                                bool o_bf16, float* __restrict__ den) {
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kNormRows;
+  const int rows = static_cast<int>(cuda_detail::Min64(kNormRows, rows_total - row0));
+  const int p = d.p, dv = d.dv;
+  const float* y = ybar + row0 * p;
+  const int64_t o0 = row0 * dv;
+  for (int e = threadIdx.x * kV; e < rows * dv; e += blockDim.x * kV) {
+    const int row = e / dv, j = e - row * dv;
+    const float dn = y[row * p + dv] + eps;
+    float val[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) val[u] = y[row * p + j + u] / dn;
+    if constexpr (kV == 2) {
+      if (o_bf16) {
+        reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(o) + o0)[e >> 1] =
+            __floats2bfloat162_rn(val[0], val[1]);
+      } else {
+        reinterpret_cast<float2*>(static_cast<float*>(o) + o0)[e >> 1] =
+            make_float2(val[0], val[1]);
+      }
+    } else if (o_bf16) {
+      static_cast<__nv_bfloat16*>(o)[o0 + e] = __float2bfloat16(val[0]);
     } else {
-      static_cast<float*>(o)[idx] = val;
+      static_cast<float*>(o)[o0 + e] = val[0];
     }
-    if (j == 0) den[row] = dn;
   }
+  for (int row = threadIdx.x; row < rows; row += blockDim.x) den[row0 + row] = y[row * p + dv] + eps;
 }
 
 // ---- B1 ---------------------------------------------------------------------------
@@ -308,10 +326,14 @@ cudaError_t LaunchSmatChunkScanBackward(const SmatCudaDims& d, const float* S_in
 
 cudaError_t LaunchSmatNormalize(const SmatCudaDims& d, const float* ybar, float eps, void* o,
                                 bool o_bf16, float* den, cudaStream_t stream) {
-  const int64_t n = static_cast<int64_t>(d.batch) * d.L * d.H * d.dv;
-  if (n == 0) return cudaSuccess;
-  const int grid = static_cast<int>(cuda_detail::Min64(GridFor(n, kThreads), 132 * 32));
-  NormalizeKernel<<<grid, kThreads, 0, stream>>>(d, ybar, eps, o, o_bf16, den);
+  const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
+  if (rows == 0) return cudaSuccess;
+  const int64_t blocks = (rows + kNormRows - 1) / kNormRows;
+  if (d.dv % 2 == 0) {
+    NormalizeKernel<2><<<blocks, kThreads, 0, stream>>>(d, rows, ybar, eps, o, o_bf16, den);
+  } else {
+    NormalizeKernel<1><<<blocks, kThreads, 0, stream>>>(d, rows, ybar, eps, o, o_bf16, den);
+  }
   return cudaGetLastError();
 }
 

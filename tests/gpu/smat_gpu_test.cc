@@ -129,6 +129,14 @@ std::vector<Case> Cases() {
   add(2, 1031, 3, 64, 64, 2, 128, false, false, 0.0, true, 128, 13);
   add(1, 1000, 2, 33, 17, 2, 128, true, false, 0.0, true, 256, 14);
   add(1, 700, 2, 40, 47, 1, 64, true, false, 0.0, true, 64, 15);
+  // The bf16 outer sums of ungated inputs (smat_outer_bf16.cu): content maps
+  // with vbar's ones inside the staged width (dv = 40) and r < 64; a dv that
+  // is not a multiple of 8 (vbar on the general kernel, gbar on the bf16 one)
+  // at d = 3 from a span inside the sequence; d = 1, whose one profile is
+  // pooled in several segments.
+  add(1, 1031, 2, 24, 40, 2, 64, false, true, 0.0, true, 0, 16);
+  add(2, 700, 2, 56, 13, 3, 32, false, false, 1e-3, true, 32, 17);
+  add(1, 1031, 2, 32, 24, 1, 16, false, false, 0.0, true, 0, 18);
   return cs;
 }
 
