@@ -264,7 +264,7 @@ __device__ __forceinline__ void Zero(float (&acc)[8][kN]) {
     for (int j = 0; j < kN; ++j) acc[i][j] = 0.f;
 }
 
-inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+__host__ __device__ inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 }  // namespace fast_tiles
 }  // namespace smat

@@ -184,8 +184,57 @@ __device__ void StageTransposedRows(const T* src, int width, const int64_t* rows
   }
 }
 
+// out[rows[t]][n] += w[t] acc[i][jj] for this thread's tokens t = m0 + i < nt
+// and columns n = n0 + jj < ncols (rows `width` wide). The old values of
+// kPass rows are loaded before any is stored, so their latencies overlap
+// (the rows may alias as far as the compiler knows); whole 16-byte pieces
+// where the rows allow.
+__device__ __forceinline__ void AddToRows(float* __restrict__ out, int width, int ncols,
+                                          const int64_t* rows, const float* w, int m0, int n0,
+                                          int nt, const float (&acc)[8][4]) {
+  constexpr int kPass = 4;
+  const bool vec = width % 4 == 0 && Aligned16(out) && n0 + 4 <= ncols;
+#pragma unroll
+  for (int i0 = 0; i0 < 8; i0 += kPass) {
+    float old[kPass][4];
+#pragma unroll
+    for (int i = 0; i < kPass; ++i) {
+      const int t = m0 + i0 + i;
+      const float* o = out + rows[t < nt ? t : 0] * width + n0;
+      if (t < nt && vec) {
+        const float4 x = *reinterpret_cast<const float4*>(o);
+        old[i][0] = x.x;
+        old[i][1] = x.y;
+        old[i][2] = x.z;
+        old[i][3] = x.w;
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) old[i][jj] = t < nt && n0 + jj < ncols ? o[jj] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPass; ++i) {
+      const int t = m0 + i0 + i;
+      if (t >= nt) continue;
+      float* o = out + rows[t] * width + n0;
+      const float wt = w[t];
+      float y[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) y[jj] = old[i][jj] + wt * acc[i0 + i][jj];
+      if (vec) {
+        *reinterpret_cast<float4*>(o) = make_float4(y[0], y[1], y[2], y[3]);
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          if (n0 + jj < ncols) o[jj] = y[jj];
+        }
+      }
+    }
+  }
+}
+
 template <SmatReadKind kRead, typename In>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3)
     GroupReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
                      const float* __restrict__ M, SmatMatrixLayout lay, const In* __restrict__ a,
                      const In* __restrict__ v, const float* __restrict__ gsrc,
@@ -234,18 +283,8 @@ __global__ void __launch_bounds__(kThreads)
       float acc[8][4];
       Zero(acc);
       Gemm<true, false>(acc, At, kC, m0, Ma, kLdF, n0, 0, r);
-      float* out = kRead == SmatReadKind::kVecMat ? out_p : out_v;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int t = m0 + i;
-        if (t >= nt) continue;
-        float* o = out + rows[t] * wa;
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          const int n = n0 + jj;
-          if (n < wa && n < kW) o[n] += w[t] * acc[i][jj];
-        }
-      }
+      AddToRows(kRead == SmatReadKind::kVecMat ? out_p : out_v, wa, wa < kW ? wa : kW, rows, w,
+                m0, n0, nt, acc);
       if (kRead == SmatReadKind::kVecMat && p > kW) {
         // Column 64: a_t . M[:, 64] in two halves of r, added in order.
         const int t = tid & (kC - 1), half = tid >> 7;
@@ -261,17 +300,7 @@ __global__ void __launch_bounds__(kThreads)
       float acc[8][4];
       Zero(acc);
       Gemm<true, false>(acc, Bt, kC, m0, Mg, kLdF, n0, 0, p);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int t = m0 + i;
-        if (t >= nt) continue;
-        float* o = out_r + rows[t] * r;
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          const int n = n0 + jj;
-          if (n < r) o[n] += w[t] * acc[i][jj];
-        }
-      }
+      AddToRows(out_r, r, r, rows, w, m0, n0, nt, acc);
     }
   }
 }

@@ -114,6 +114,8 @@ __device__ __forceinline__ void BlockChunks(const SmatCudaDims& d, int blk, int6
   }
 }
 
+constexpr int kScanUnroll = 8;
+
 // ---- F3 ---------------------------------------------------------------------------
 // grid (ceil(r p / 256), batch * H, 2 blocks). Y carries the state with the
 // incoming one, X the span's own part (span_state), both in chunk order.
@@ -136,13 +138,25 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
   if (w >= W) return;
   float Y = (k0 < k1 && incoming != nullptr) ? incoming[blk_row * W + w] : 0.f;
   float X = 0.f;
-  for (int64_t k = k0; k < k1; ++k) {
-    const int64_t row = ChunkRow(d, b, k, h);
-    const float e = cd != nullptr ? expf(cd[row]) : 1.f;
-    const float Dk = D[row * W + w];
-    if (S_in != nullptr) S_in[row * W + w] = Y;
-    Y = fmaf(e, Y, Dk);
-    X = fmaf(e, X, Dk);
+  // kScanUnroll chunks' loads issued before their updates: the loads do not
+  // depend on the carried state, and keeping several in flight per thread is
+  // what lets this one-thread-per-element walk stream.
+  for (int64_t k = k0; k < k1; k += kScanUnroll) {
+    float e[kScanUnroll], Dk[kScanUnroll];
+#pragma unroll
+    for (int u = 0; u < kScanUnroll; ++u) {
+      const bool ok = k + u < k1;
+      const int64_t row = ChunkRow(d, b, ok ? k + u : k, h);
+      e[u] = cd != nullptr && ok ? expf(cd[row]) : 1.f;
+      Dk[u] = ok ? D[row * W + w] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kScanUnroll; ++u) {
+      if (k + u >= k1) break;
+      if (S_in != nullptr) S_in[ChunkRow(d, b, k + u, h) * W + w] = Y;
+      Y = fmaf(e[u], Y, Dk[u]);
+      X = fmaf(e[u], X, Dk[u]);
+    }
   }
   span_state[blk_row * W + w] = X;
 }
@@ -164,13 +178,22 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
   const int64_t blk_row = (static_cast<int64_t>(b) * 2 + blk) * d.H + h;
   float Y = (k0 < k1 && incoming_grad != nullptr) ? incoming_grad[blk_row * W + w] : 0.f;
   float X = 0.f;                                              // the span's own part
-  for (int64_t k = k1 - 1; k >= k0; --k) {
-    const int64_t row = ChunkRow(d, b, k, h);
-    const float e = cd != nullptr ? expf(cd[row]) : 1.f;
-    const float g = S_in_bar[row * W + w];
-    D_bar[row * W + w] = Y;
-    Y = fmaf(e, Y, g);
-    X = fmaf(e, X, g);
+  for (int64_t k = k1 - 1; k >= k0; k -= kScanUnroll) {
+    float e[kScanUnroll], g[kScanUnroll];
+#pragma unroll
+    for (int u = 0; u < kScanUnroll; ++u) {
+      const bool ok = k - u >= k0;
+      const int64_t row = ChunkRow(d, b, ok ? k - u : k, h);
+      e[u] = cd != nullptr && ok ? expf(cd[row]) : 1.f;
+      g[u] = ok ? S_in_bar[row * W + w] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kScanUnroll; ++u) {
+      if (k - u < k0) break;
+      D_bar[ChunkRow(d, b, k - u, h) * W + w] = Y;
+      Y = fmaf(e[u], Y, g[u]);
+      X = fmaf(e[u], X, g[u]);
+    }
   }
   span_state_grad[blk_row * W + w] = X;
 }
