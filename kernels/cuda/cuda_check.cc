@@ -1,6 +1,10 @@
 // CUDA and cuBLAS status mapping (cuda_check.h).
 #include "kernels/cuda/cuda_check.h"
 
+#include <cstdint>
+#include <mutex>
+#include <set>
+
 #include "absl/strings/str_cat.h"
 
 namespace smat {
@@ -52,6 +56,20 @@ absl::Status CublasStatus(cublasStatus_t status, const char* what) {
     default:
       return absl::InternalError(msg);
   }
+}
+
+absl::Status UseDevice(int device) {
+  SMAT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  static std::mutex mu;
+  static std::set<int>* pools_kept = new std::set<int>();  // guarded by mu; never destroyed
+  std::lock_guard<std::mutex> lock(mu);
+  if (pools_kept->count(device) != 0) return absl::OkStatus();
+  cudaMemPool_t pool;
+  SMAT_CUDA_RETURN_IF_ERROR(cudaDeviceGetDefaultMemPool(&pool, device));
+  uint64_t keep = UINT64_MAX;
+  SMAT_CUDA_RETURN_IF_ERROR(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  pools_kept->insert(device);
+  return absl::OkStatus();
 }
 
 }  // namespace smat

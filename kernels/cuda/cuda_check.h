@@ -23,6 +23,12 @@ absl::Status CudaStatus(cudaError_t err, const char* what);
 // The same for cuBLAS results.
 absl::Status CublasStatus(cublasStatus_t status, const char* what);
 
+// Makes `device` current for this thread. The first call for a device also
+// tells its default stream-ordered memory pool (where the kernels' scratch
+// comes from) to keep what it has reserved across synchronisations, so
+// steady-state calls do not go back to the driver for memory.
+absl::Status UseDevice(int device);
+
 }  // namespace smat
 
 #define SMAT_CUDA_RETURN_IF_ERROR(call) SMAT_RETURN_IF_ERROR(::smat::CudaStatus((call), #call))

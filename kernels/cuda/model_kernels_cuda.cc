@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -482,21 +481,9 @@ class CudaModelKernels final : public ModelKernels {
   }
 
  private:
-  // The CUDA stream of `stream` with this device current; the first call also
-  // keeps the default stream-ordered pool's memory across synchronisations.
+  // The CUDA stream of `stream` with this device current (UseDevice).
   absl::StatusOr<cudaStream_t> Enter(Stream* stream) {
-    SMAT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!pool_ready_) {
-        cudaMemPool_t pool;
-        SMAT_CUDA_RETURN_IF_ERROR(cudaDeviceGetDefaultMemPool(&pool, device_));
-        uint64_t keep = UINT64_MAX;
-        SMAT_CUDA_RETURN_IF_ERROR(
-            cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-        pool_ready_ = true;
-      }
-    }
+    SMAT_RETURN_IF_ERROR(UseDevice(device_));
     return stream_of_(stream);
   }
 
@@ -550,8 +537,6 @@ class CudaModelKernels final : public ModelKernels {
   const int device_;
   const CudaStreamResolver stream_of_;
   const int max_blocks_;
-  std::mutex mu_;
-  bool pool_ready_ = false;  // guarded by mu_
 };
 
 }  // namespace

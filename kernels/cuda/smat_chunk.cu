@@ -316,6 +316,17 @@ cudaError_t Prepare(Kernel kernel, size_t smem) {
 
 }  // namespace
 
+bool SmatDeviceRunsMma(int64_t smem_bytes) {
+  int dev = 0, major = 0, smem = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
+    return false;
+  }
+  return major >= 8 && static_cast<int64_t>(smem) >= smem_bytes;
+}
+
 bool SmatUseFastChunkTiles(const SmatCudaDims& d) {
   if (!SmatChunkFastTilesFit(d)) return false;
   const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");

@@ -316,14 +316,7 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
 
 bool SmatChunkForwardFusedFits(const SmatCudaDims& d) {
   if (!d.bf16 || !SmatChunkFastTilesFit(d)) return false;
-  int dev = 0, major = 0, smem = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
-    return false;
-  }
-  return major >= 8 && smem >= kSmemBytes;
+  return SmatDeviceRunsMma(kSmemBytes);
 }
 
 cudaError_t LaunchSmatChunkOutputsForwardFused(const SmatCudaDims& d, const void* phi,

@@ -565,14 +565,7 @@ cudaError_t LaunchAny(const SmatCudaDims& d, const void* phi, const void* psi, c
 
 bool SmatChunkMmaTilesFit(const SmatCudaDims& d) {
   if (!SmatChunkFastTilesFit(d)) return false;
-  int dev = 0, major = 0, smem = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
-    return false;
-  }
-  return major >= 8 && static_cast<int64_t>(smem) >= SmatChunkMmaTilesSmemBytes();
+  return SmatDeviceRunsMma(SmatChunkMmaTilesSmemBytes());
 }
 
 bool SmatUseMmaChunkTiles(const SmatCudaDims& d, bool backward) {

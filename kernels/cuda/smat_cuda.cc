@@ -429,19 +429,7 @@ class CudaSmatKernels final : public SmatKernels {
  private:
   // Selects the device and resolves the stream.
   absl::StatusOr<cudaStream_t> Enter(Stream* stream) {
-    SMAT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!pool_ready_) {
-      // Scratch comes from the device's default stream-ordered pool; keep what
-      // it has reserved across synchronisations so steady-state calls do not
-      // go back to the driver for memory.
-      cudaMemPool_t pool;
-      SMAT_CUDA_RETURN_IF_ERROR(cudaDeviceGetDefaultMemPool(&pool, device_));
-      uint64_t keep = UINT64_MAX;
-      SMAT_CUDA_RETURN_IF_ERROR(
-          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-      pool_ready_ = true;
-    }
+    SMAT_RETURN_IF_ERROR(UseDevice(device_));
     return stream_of_(stream);
   }
 
@@ -732,8 +720,7 @@ class CudaSmatKernels final : public SmatKernels {
 
   const int device_;
   CudaStreamResolver stream_of_;
-  std::mutex mu_;  // guards incidence_ and pool_ready_
-  bool pool_ready_ = false;
+  std::mutex mu_;  // guards incidence_
   std::map<std::pair<int, int64_t>, IncidenceLists> incidence_;
 };
 

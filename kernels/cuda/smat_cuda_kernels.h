@@ -68,6 +68,11 @@ struct SmatMatrixLayout {
   int64_t ob = 0, og = 0, oh = 0;
 };
 
+// Whether the current device has sm_80 tensor cores (mma.sync bf16) and lets
+// one block opt in to `smem_bytes` of shared memory: the condition every
+// tensor-core launcher checks before it is chosen (smat_chunk.cu).
+bool SmatDeviceRunsMma(int64_t smem_bytes);
+
 // ---- smat_scan.cu ---------------------------------------------------------------
 
 // F1: lam (chunk-local inclusive prefix of logg) and chunk_decay.

@@ -110,6 +110,39 @@ __device__ __forceinline__ void SegmentRange(int64_t count, int segments, int se
   *hi = min(count, *lo + len);
 }
 
+// Index of the matrix of (b, g, h) in a table of layout l (in matrices).
+__device__ __forceinline__ int64_t MatrixIndex(const SmatMatrixLayout& l, int b, int g, int h) {
+  return static_cast<int64_t>(b) * l.ob + static_cast<int64_t>(g) * l.og +
+         static_cast<int64_t>(h) * l.oh;
+}
+
+// The share of a grouped product that one block of grid (segments, G,
+// batch * H) works on: group grp of (b, h), the tokens [lo, hi) of its list
+// (segment seg of `segments` equal parts).
+struct GroupBlock {
+  int seg, grp, b, h;
+  GroupCursor cur;
+  int64_t lo = 0, hi = 0;
+
+  __device__ GroupBlock(const SmatTokenGroups& groups, const SmatCudaDims& d, int segments)
+      : seg(blockIdx.x),
+        grp(blockIdx.y),
+        b(blockIdx.z / d.H),
+        h(blockIdx.z % d.H),
+        cur(groups, d, blockIdx.z, blockIdx.y) {
+    SegmentRange(cur.count, segments, seg, &lo, &hi);
+  }
+
+  // The r x p matrix of this block's (b, group, h) in `base` (layout `lay`):
+  // segment `segment` of `segments` per group (the outer sums' partials), or
+  // the group's one matrix (the reads' M).
+  template <typename T>
+  __device__ T* Matrix(T* base, const SmatMatrixLayout& lay, int r, int p, int segments = 1,
+                       int segment = 0) const {
+    return base + (MatrixIndex(lay, b, grp, h) * segments + segment) * static_cast<int64_t>(r) * p;
+  }
+};
+
 // acc[i][j] += sum_{k < K} a(m0 + ty + 16 i, k) * b(n0 + tx + 16 j, k) for the
 // rows < M and columns < N (others contribute 0). 256 threads.
 template <class FA, class FB>

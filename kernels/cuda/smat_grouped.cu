@@ -42,11 +42,6 @@ using cuda_detail::ZeroAcc;
 
 constexpr int kTokenTile = 32;  // tokens staged in shared memory per step
 
-__device__ __forceinline__ int64_t DevMatrixIndex(const SmatMatrixLayout& l, int b, int g, int h) {
-  return static_cast<int64_t>(b) * l.ob + static_cast<int64_t>(g) * l.og +
-         static_cast<int64_t>(h) * l.oh;
-}
-
 // grid (segments, G, batch * H). Shared: a tile [kTokenTile][r], b tile
 // [kTokenTile][p], weights [kTokenTile].
 __global__ void GroupedOuterSumKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
@@ -58,25 +53,21 @@ __global__ void GroupedOuterSumKernel(SmatCudaDims d, SmatTokenGroups groups, in
   float* b_s = a_s + kTokenTile * d.r;        // [kTokenTile][p]
   float* w_s = b_s + kTokenTile * d.p;        // [kTokenTile]
   __shared__ int64_t rows[kTokenTile];
-  const int seg = blockIdx.x, g = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const GroupCursor cur(groups, d, bh, g);
-  int64_t lo, hi;
-  SegmentRange(cur.count, segments, seg, &lo, &hi);
+  const cuda_detail::GroupBlock blk(groups, d, segments);
   const int r = d.r, p = d.p;
-  float* dst = out + (DevMatrixIndex(lay, b, g, h) * segments + seg) * static_cast<int64_t>(r) * p;
+  float* dst = blk.Matrix(out, lay, r, p, segments, blk.seg);
 
   for (int m0 = 0; m0 < r; m0 += kTileM) {
     for (int n0 = 0; n0 < p; n0 += kTileN) {
       float acc[kRegM][kRegN];
       ZeroAcc(acc);
-      for (int64_t j0 = lo; j0 < hi; j0 += kTokenTile) {
-        const int nt = static_cast<int>(cuda_detail::Min64(kTokenTile, hi - j0));
+      for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kTokenTile) {
+        const int nt = static_cast<int>(cuda_detail::Min64(kTokenTile, blk.hi - j0));
         __syncthreads();  // the previous step's reads are done
         if (threadIdx.x < nt) {
-          const int64_t i = cur.Token(j0 + threadIdx.x);
-          rows[threadIdx.x] = TokenRow(d, b, i, h);
-          w_s[threadIdx.x] = TokenWeight(d, tw, b, h, i);
+          const int64_t i = blk.cur.Token(j0 + threadIdx.x);
+          rows[threadIdx.x] = TokenRow(d, blk.b, i, blk.h);
+          w_s[threadIdx.x] = TokenWeight(d, tw, blk.b, blk.h, i);
         }
         __syncthreads();
         for (int e = threadIdx.x; e < nt * r; e += blockDim.x) {
@@ -114,7 +105,7 @@ __global__ void ReduceSegmentsKernel(SmatCudaDims d, int num_groups, int segment
   const float* src = partial + (static_cast<int64_t>(bh) * num_groups + g) * segments * W + w;
   float acc = 0.f;
   for (int s = 0; s < segments; ++s) acc += src[s * W];
-  out[DevMatrixIndex(lay, b, g, h) * W + w] = acc;
+  out[cuda_detail::MatrixIndex(lay, b, g, h) * W + w] = acc;
 }
 
 // grid (segments, G, batch * H), 8 warps; a warp handles one token at a time.
@@ -131,22 +122,18 @@ __global__ void GroupedReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int s
   float* m_s = smem;                    // [r][ldp]
   float* va = m_s + r * ldp;            // [kWarps][r]
   float* vb = va + kWarps * r;          // [kWarps][p]
-  const int seg = blockIdx.x, g = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const GroupCursor cur(groups, d, bh, g);
-  int64_t lo, hi;
-  SegmentRange(cur.count, segments, seg, &lo, &hi);
-  if (lo >= hi) return;  // uniform over the block
-  const float* src = M + DevMatrixIndex(lay, b, g, h) * static_cast<int64_t>(r) * p;
+  const cuda_detail::GroupBlock blk(groups, d, segments);
+  if (blk.lo >= blk.hi) return;  // uniform over the block
+  const float* src = blk.Matrix(M, lay, r, p);
   for (int e = threadIdx.x; e < r * p; e += blockDim.x) m_s[(e / p) * ldp + e % p] = src[e];
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* my_a = va + warp * r;
   float* my_b = vb + warp * p;
-  for (int64_t j = lo + warp; j < hi; j += kWarps) {
-    const int64_t i = cur.Token(j);
-    const int64_t row = TokenRow(d, b, i, h);
-    const float w = TokenWeight(d, tw, b, h, i);
+  for (int64_t j = blk.lo + warp; j < blk.hi; j += kWarps) {
+    const int64_t i = blk.cur.Token(j);
+    const int64_t row = TokenRow(d, blk.b, i, blk.h);
+    const float w = TokenWeight(d, tw, blk.b, blk.h, i);
     if (kind != SmatReadKind::kMatVec)
       for (int k = lane; k < r; k += 32) my_a[k] = LoadIn(a, row * r + k, d.bf16);
     if (kind == SmatReadKind::kMatVec)

@@ -40,11 +40,7 @@ __global__ void __launch_bounds__(kThreads)
   float* w = B + kC * kLdB;
   int64_t* rows = reinterpret_cast<int64_t*>(w + kC);
   const int tid = threadIdx.x;
-  const int seg = blockIdx.x, g = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const cuda_detail::GroupCursor cur(groups, d, bh, g);
-  int64_t lo, hi;
-  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
+  const cuda_detail::GroupBlock blk(groups, d, segments);
   const int r = d.r, p = d.p, dv = d.dv;
   const int ty = tid >> 4, tx = tid & 15;
   const int crow = tid >> 2, part = tid & 3;  // column-64 role
@@ -54,13 +50,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
   float sum64 = 0.f;
-  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
-    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
     __syncthreads();  // the previous tile is consumed
     if (tid < nt) {
-      const int64_t i = cur.Token(j0 + tid);
-      rows[tid] = TokenRow(d, b, i, h);
-      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+      const int64_t i = blk.cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, blk.b, i, blk.h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
     }
     __syncthreads();
     StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, A, kW, kW, -1, w);
@@ -86,11 +82,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int t = part; t < nt; t += 4) sum64 = fmaf(A[t * kW + crow], B[t * kLdB + kW], sum64);
     }
   }
-  float* dst = out + ((static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(g) * lay.og +
-                       static_cast<int64_t>(h) * lay.oh) *
-                          segments +
-                      seg) *
-                         static_cast<int64_t>(r) * p;
+  float* dst = blk.Matrix(out, lay, r, p, segments, blk.seg);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -252,27 +244,21 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3
   float* w = sm + Smem::kWOff;
   float* part = sm + Smem::kPart;
   int64_t* rows = reinterpret_cast<int64_t*>(sm + Smem::kRows);
-  const int seg = blockIdx.x, g = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const cuda_detail::GroupCursor cur(groups, d, bh, g);
-  int64_t lo, hi;
-  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
-  if (lo >= hi) return;  // uniform over the block
+  const cuda_detail::GroupBlock blk(groups, d, segments);
+  if (blk.lo >= blk.hi) return;  // uniform over the block
   const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x;
-  const float* Mk = M + (static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(g) * lay.og +
-                         static_cast<int64_t>(h) * lay.oh) *
-                            static_cast<int64_t>(r) * p;
+  const float* Mk = blk.Matrix(M, lay, r, p);
   if (kA) StageChunkMatrix(Mk, r, p, p < kW ? p : kW, false, Ma);
   if (kG) StageChunkMatrix(Mk, r, p, r, true, Mg);
   const int ty = tid >> 4, tx = tid & 15, m0 = ty * 8, n0 = tx * 4;
   const int wa = kRead == SmatReadKind::kVecMat ? p : dv;  // a-side output width
-  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
-    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
     __syncthreads();  // the previous tile's reads of At, Bt, w, rows are done
     if (tid < nt) {
-      const int64_t i = cur.Token(j0 + tid);
-      rows[tid] = TokenRow(d, b, i, h);
-      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+      const int64_t i = blk.cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, blk.b, i, blk.h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
     }
     __syncthreads();
     if (kA) StageTransposedRows(a, r, rows, nt, r, vec_in, At);

@@ -159,11 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   int64_t* rows = reinterpret_cast<int64_t*>(At + kOffRows);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, tig = lane & 3;  // fragment row / column pair of this lane
-  const int seg = blockIdx.x, grp = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const cuda_detail::GroupCursor cur(groups, d, bh, grp);
-  int64_t lo, hi;
-  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
+  const cuda_detail::GroupBlock blk(groups, d, segments);
   const int r = d.r, p = d.p, dv = d.dv;
   const int m0 = (warp & 3) * 16;
   const int n_first = warp < 4 ? 0 : 5, n_count = warp < 4 ? 5 : 4;
@@ -173,13 +169,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
 
-  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
-    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
     __syncthreads();  // the previous tile is consumed
     if (tid < nt) {
-      const int64_t i = cur.Token(j0 + tid);
-      rows[tid] = TokenRow(d, b, i, h);
-      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+      const int64_t i = blk.cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, blk.b, i, blk.h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
     }
     __syncthreads();
     StageKMajor(a, rows, r, nt, vec_in, w, kMPad, -1, At);
@@ -225,11 +221,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
 
-  float* dst = out + ((static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(grp) * lay.og +
-                       static_cast<int64_t>(h) * lay.oh) *
-                          segments +
-                      seg) *
-                         static_cast<int64_t>(r) * p;
+  float* dst = blk.Matrix(out, lay, r, p, segments, blk.seg);
 #pragma unroll
   for (int j = 0; j < 5; ++j) {
     if (j >= n_count) break;
@@ -421,26 +413,20 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t* Pm = reinterpret_cast<uint32_t*>(As) + kROffPm;
   float* w = As + kROffW;
   int64_t* rows = reinterpret_cast<int64_t*>(As + kROffRows);
-  const int seg = blockIdx.x, grp = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const cuda_detail::GroupCursor cur(groups, d, bh, grp);
-  int64_t lo, hi;
-  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
-  if (lo >= hi) return;  // uniform over the block
+  const cuda_detail::GroupBlock blk(groups, d, segments);
+  if (blk.lo >= blk.hi) return;  // uniform over the block
   const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x, m0 = (tid >> 5) * 16;
-  const float* Mk = M + (static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(grp) * lay.og +
-                         static_cast<int64_t>(h) * lay.oh) *
-                            static_cast<int64_t>(r) * p;
+  const float* Mk = blk.Matrix(M, lay, r, p);
   if (kRead != SmatReadKind::kMatVec) StagePlanes(Mk, r, p, /*vecmat=*/true, Pv);
   if (kRead != SmatReadKind::kVecMat) StagePlanes(Mk, r, p, /*vecmat=*/false, Pm);
   const int kr = (r + 15) >> 4, kp = (p + 15) >> 4;  // k steps over r and over p
-  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
-    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
     __syncthreads();  // the previous tile's reads of As, w, rows are done
     if (tid < nt) {
-      const int64_t i = cur.Token(j0 + tid);
-      rows[tid] = TokenRow(d, b, i, h);
-      w[tid] = cuda_detail::TokenWeight(d, tw, b, h, i);
+      const int64_t i = blk.cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, blk.b, i, blk.h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
     }
     __syncthreads();
     if (kRead == SmatReadKind::kVecMat) {
@@ -513,14 +499,7 @@ bool SmatUseMmaGrouped(const SmatCudaDims& d, bool reads) {
   const bool forced = env != nullptr && std::strcmp(env, "mma") == 0;
   if (!forced && !(reads ? kMmaReadsByDefault : kMmaOuterSumsByDefault)) return false;
   if (d.chunk > kC || d.r > kMPad || d.p > kNPad) return false;
-  int dev = 0, major = 0, smem = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
-    return false;
-  }
-  return major >= 8 && smem >= kSmemBytes && smem >= kReadsSmemBytes;
+  return SmatDeviceRunsMma(kSmemBytes > kReadsSmemBytes ? kSmemBytes : kReadsSmemBytes);
 }
 
 cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& d, const SmatTokenGroups& groups,

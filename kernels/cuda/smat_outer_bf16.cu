@@ -109,11 +109,7 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 2)
   int64_t* rows = reinterpret_cast<int64_t*>(Bs + kBParts * kPlane);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, tig = lane & 3;
-  const int seg = blockIdx.x, grp = blockIdx.y;
-  const int bh = blockIdx.z, b = bh / d.H, h = bh % d.H;
-  const cuda_detail::GroupCursor cur(groups, d, bh, grp);
-  int64_t lo, hi;
-  cuda_detail::SegmentRange(cur.count, segments, seg, &lo, &hi);
+  const cuda_detail::GroupBlock blk(groups, d, segments);
   const int r = d.r, p = d.p, dv = d.dv;
   const int bw = kBParts == 1 ? dv : p;  // b columns staged per token
 
@@ -143,10 +139,10 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 2)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
 
-  for (int64_t j0 = lo; j0 < hi; j0 += kC) {
-    const int nt = static_cast<int>(cuda_detail::Min64(kC, hi - j0));
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
     __syncthreads();  // the previous tile is consumed, the padding is written
-    if (tid < nt) rows[tid] = TokenRow(d, b, cur.Token(j0 + tid), h);
+    if (tid < nt) rows[tid] = TokenRow(d, blk.b, blk.cur.Token(j0 + tid), blk.h);
     __syncthreads();
     StageRowsAsync(a, rows, r, nt, As);
     if constexpr (kBParts == 1) {
@@ -199,11 +195,7 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 2)
     }
   }
   __syncthreads();
-  float* dst = out + ((static_cast<int64_t>(b) * lay.ob + static_cast<int64_t>(grp) * lay.og +
-                       static_cast<int64_t>(h) * lay.oh) *
-                          segments +
-                      seg) *
-                         static_cast<int64_t>(r) * p;
+  float* dst = blk.Matrix(out, lay, r, p, segments, blk.seg);
   const int n = r * p;
   if (n % 4 == 0 && Aligned16(dst)) {
     for (int i = tid; i < n / 4; i += kThreads) {
@@ -239,13 +231,7 @@ bool SmatOuterSumBf16Fits(const SmatCudaDims& d, const void* a, const void* b, b
   if (d.r <= 0 || d.r > 64 || d.r % 8 != 0 || d.p > kLd || d.r * d.p > kMaxOut) return false;
   if (!HostAligned16(a)) return false;
   if (b_is_v && (d.dv % 8 != 0 || !HostAligned16(b))) return false;
-  int dev = 0, smem = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
-    return false;
-  }
-  return smem >= SmemBytes(b_is_v ? 1 : 3);
+  return SmatDeviceRunsMma(SmemBytes(b_is_v ? 1 : 3));
 }
 
 cudaError_t LaunchSmatOuterSumBf16(const SmatCudaDims& d, const SmatTokenGroups& groups,
