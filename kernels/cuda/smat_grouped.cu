@@ -211,11 +211,27 @@ __global__ void __launch_bounds__(kTabThreads)
     }
   }
   __syncthreads();
-  const int c = threadIdx.x & (kTabCols - 1);
-  for (int64_t g = threadIdx.x / kTabCols; g < g_out; g += kTabThreads / kTabCols) {
-    float acc = 0.f;
-    for (int32_t j = offsets[g]; j < offsets[g + 1]; ++j) acc += tab[items[j] * kTabCols + c];
-    if (c < nc) out[(bh * g_out + g) * W + w0 + c] = acc;
+  // A thread sums four of the tile's columns of one output, each list entry
+  // one 16-byte shared-memory load: a warp instruction serves 16 outputs
+  // (the loads, not the adds, are what limits this loop). Each column is
+  // still summed alone, in list order.
+  constexpr int kQuads = kTabCols / 4;
+  const int c0 = 4 * (threadIdx.x % kQuads);
+  for (int64_t g = threadIdx.x / kQuads; g < g_out; g += kTabThreads / kQuads) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int32_t j = offsets[g]; j < offsets[g + 1]; ++j) {
+      const float4 x = *reinterpret_cast<const float4*>(&tab[items[j] * kTabCols + c0]);
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    float* o = out + (bh * g_out + g) * W + w0 + c0;
+    const float sums[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (c0 + u < nc) o[u] = sums[u];
+    }
   }
 }
 
