@@ -58,6 +58,7 @@ struct IncidenceLists {
   int32_t* type_points = nullptr;    // points of each type, increasing
   int32_t* point_offsets = nullptr;  // [P + 1]
   int32_t* point_types = nullptr;    // types through each point, by direction
+  int64_t entries = 0;               // incidences: the length of either item list
 };
 
 const float* F32(const Tensor& t) { return t.defined() ? static_cast<const float*>(t.raw()) : nullptr; }
@@ -158,8 +159,8 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(CheckGroups(g.B, "types (B)"));
     SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
     return CudaStatus(LaunchSmatTabulate(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.P, g.B,
-                                         lists->type_offsets, lists->type_points, F32(F), F32(U),
-                                         s),
+                                         lists->type_offsets, lists->type_points, lists->entries,
+                                         F32(F), F32(U), s),
                       "Tabulate kernel");
   }
 
@@ -307,7 +308,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
     return CudaStatus(LaunchSmatTabulate(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4),
                                          g.B, g.P, lists->point_offsets, lists->point_types,
-                                         F32(U_bar), F32(F_bar), s),
+                                         lists->entries, F32(U_bar), F32(F_bar), s),
                       "TabulateBackward kernel");
   }
 
@@ -705,6 +706,7 @@ class CudaSmatKernels final : public SmatKernels {
     flatten(points, &to, &ti);
     flatten(types, &po, &pi);
     IncidenceLists lists;
+    lists.entries = static_cast<int64_t>(ti.size());
     auto upload = [](const std::vector<int32_t>& host, int32_t** dev) -> absl::Status {
       SMAT_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(dev), std::max<size_t>(1, host.size()) * sizeof(int32_t)));
       SMAT_CUDA_RETURN_IF_ERROR(

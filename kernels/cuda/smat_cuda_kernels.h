@@ -140,12 +140,12 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& dims, const SmatTokenGrou
                                    cudaStream_t stream);
 
 // out[bh, g] = sum_{j in list[g]} in[bh, items[j]] for W-wide rows, lists in
-// CSR form (offsets [G_out + 1], items), summed in list order: Algorithm 2
-// (U = C F, lists = points of each type) and its adjoint (F_bar = C^T U_bar,
-// lists = types through each point).
+// CSR form (offsets [G_out + 1], items: `entries` in all), summed in list
+// order: Algorithm 2 (U = C F, lists = points of each type) and its adjoint
+// (F_bar = C^T U_bar, lists = types through each point).
 cudaError_t LaunchSmatTabulate(int64_t batch_heads, int64_t W, int64_t g_in, int64_t g_out,
-                               const int32_t* offsets, const int32_t* items, const float* in,
-                               float* out, cudaStream_t stream);
+                               const int32_t* offsets, const int32_t* items, int64_t entries,
+                               const float* in, float* out, cudaStream_t stream);
 
 // Stable counting sort of the span's tokens [begin, end) of each (b, h) by
 // map[b, i, h] in [0, G) (content maps): offsets [batch * H, G + 1], perm

@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/cuda/smat_device.cuh"
 
@@ -186,6 +187,7 @@ __global__ void TabulateKernel(int64_t W, int64_t g_in, int64_t g_out,
 constexpr int kTabCols = 8;
 constexpr int kTabThreads = 512;
 
+template <int kColsPerThread>
 __global__ void __launch_bounds__(kTabThreads)
     TabulateColumnsKernel(int64_t W, int64_t g_in, int64_t g_out,
                           const int32_t* __restrict__ offsets, const int32_t* __restrict__ items,
@@ -211,26 +213,33 @@ __global__ void __launch_bounds__(kTabThreads)
     }
   }
   __syncthreads();
-  // A thread sums four of the tile's columns of one output, each list entry
-  // one 16-byte shared-memory load: a warp instruction serves 16 outputs
-  // (the loads, not the adds, are what limits this loop). Each column is
-  // still summed alone, in list order.
-  constexpr int kQuads = kTabCols / 4;
-  const int c0 = 4 * (threadIdx.x % kQuads);
-  for (int64_t g = threadIdx.x / kQuads; g < g_out; g += kTabThreads / kQuads) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  // kColsPerThread = 4: a thread sums four of the tile's columns of one
+  // output, each list entry one 16-byte shared-memory load, so a warp
+  // instruction serves 16 outputs instead of 4 (long lists, d >= 3: the
+  // loads limit the loop). 1: a thread per column (lists of a point or two,
+  // d = 2: more threads per output row, fewer registers). Either way each
+  // column is summed alone, in list order.
+  constexpr int kPer = kTabCols / kColsPerThread;  // threads per output
+  const int c0 = kColsPerThread * (threadIdx.x % kPer);
+  for (int64_t g = threadIdx.x / kPer; g < g_out; g += kTabThreads / kPer) {
+    float acc[kColsPerThread] = {};
     for (int32_t j = offsets[g]; j < offsets[g + 1]; ++j) {
-      const float4 x = *reinterpret_cast<const float4*>(&tab[items[j] * kTabCols + c0]);
-      acc.x += x.x;
-      acc.y += x.y;
-      acc.z += x.z;
-      acc.w += x.w;
+      const float* x = &tab[items[j] * kTabCols + c0];
+      if constexpr (kColsPerThread == 4) {
+        const float4 x4 = *reinterpret_cast<const float4*>(x);
+        acc[0] += x4.x;
+        acc[1] += x4.y;
+        acc[2] += x4.z;
+        acc[3] += x4.w;
+      } else {
+#pragma unroll
+        for (int u = 0; u < kColsPerThread; ++u) acc[u] += x[u];
+      }
     }
     float* o = out + (bh * g_out + g) * W + w0 + c0;
-    const float sums[4] = {acc.x, acc.y, acc.z, acc.w};
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (c0 + u < nc) o[u] = sums[u];
+    for (int u = 0; u < kColsPerThread; ++u) {
+      if (c0 + u < nc) o[u] = acc[u];
     }
   }
 }
@@ -327,8 +336,8 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
 }
 
 cudaError_t LaunchSmatTabulate(int64_t batch_heads, int64_t W, int64_t g_in, int64_t g_out,
-                               const int32_t* offsets, const int32_t* items, const float* in,
-                               float* out, cudaStream_t stream) {
+                               const int32_t* offsets, const int32_t* items, int64_t entries,
+                               const float* in, float* out, cudaStream_t stream) {
   if (batch_heads == 0 || g_out == 0 || W == 0) return cudaSuccess;
   // The column-tile kernel when a tile of `in` fits one block's shared memory
   // (d = 3 at T = 524288: g_in = 4489 profiles, 144 KB).
@@ -339,13 +348,17 @@ cudaError_t LaunchSmatTabulate(int64_t batch_heads, int64_t W, int64_t g_in, int
   if (err != cudaSuccess) return err;
   const int64_t smem = static_cast<int64_t>(sizeof(float)) * kTabCols * g_in;
   if (g_in > 0 && smem <= smem_limit) {
-    err = cudaFuncSetAttribute(TabulateColumnsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    // Four columns per thread for long lists: H200, T = 524288, 8 heads, r = dv
+    // = 64: d = 3 (67 entries per list) Tabulate 6.42 -> 4.91 ms, but d = 2 (one
+    // entry) 0.07 -> 0.12 ms.
+    auto kernel = entries >= 4 * g_out ? TabulateColumnsKernel<4> : TabulateColumnsKernel<1>;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem));
     if (err != cudaSuccess) return err;
     const dim3 tiles(static_cast<unsigned>((W + kTabCols - 1) / kTabCols),
                      static_cast<unsigned>(batch_heads));
-    TabulateColumnsKernel<<<tiles, kTabThreads, static_cast<size_t>(smem), stream>>>(
-        W, g_in, g_out, offsets, items, in, out);
+    kernel<<<tiles, kTabThreads, static_cast<size_t>(smem), stream>>>(W, g_in, g_out, offsets,
+                                                                     items, in, out);
     return cudaGetLastError();
   }
   const dim3 grid(static_cast<unsigned>((W + kThreads - 1) / kThreads),
