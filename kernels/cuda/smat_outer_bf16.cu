@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_fast_tiles.cuh"
 #include "kernels/cuda/smat_grouped_mma.h"
 #include "kernels/cuda/smat_mma.cuh"
 
@@ -31,6 +32,7 @@ namespace smat {
 namespace {
 
 using cuda_detail::TokenRow;
+using fast_tiles::Aligned16;
 using mma_tiles::CpAsync16;
 using mma_tiles::CpAsyncWaitAll;
 using mma_tiles::Ldsm4T;
@@ -44,10 +46,6 @@ constexpr int kPlane = kC * kLd;      // bf16 elements of one staged operand
 constexpr int kMaxOut = kPlane / 2;   // fp32 output elements the a plane can hold
 
 constexpr int SmemBytes(int b_parts) { return (1 + b_parts) * kPlane * 2 + kC * 8; }
-
-__device__ __forceinline__ bool Aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
-}
 
 // dst[t][0 .. width) = src row rows[t] for t < nt, zeros for nt <= t < kC;
 // width % 8 == 0, rows 16-byte aligned.
@@ -221,16 +219,14 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
   return cudaGetLastError();
 }
 
-bool HostAligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 }  // namespace
 
 bool SmatOuterSumBf16Fits(const SmatCudaDims& d, const void* a, const void* b, bool b_is_v,
                           const SmatTokenWeights& w) {
   if (!d.bf16 || w.lam != nullptr || w.extra != nullptr) return false;
   if (d.r <= 0 || d.r > 64 || d.r % 8 != 0 || d.p > kLd || d.r * d.p > kMaxOut) return false;
-  if (!HostAligned16(a)) return false;
-  if (b_is_v && (d.dv % 8 != 0 || !HostAligned16(b))) return false;
+  if (!Aligned16(a)) return false;
+  if (b_is_v && (d.dv % 8 != 0 || !Aligned16(b))) return false;
   return SmatDeviceRunsMma(SmemBytes(b_is_v ? 1 : 3));
 }
 
