@@ -264,7 +264,30 @@ __device__ __forceinline__ void Zero(float (&acc)[8][kN]) {
     for (int j = 0; j < kN; ++j) acc[i][j] = 0.f;
 }
 
-__host__ __device__ inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+// Runs Launch<kind, In>::Run(args...) for a read call's kind and input dtype
+// (bf16: __nv_bfloat16, else float): the one switch over the read kernels'
+// instantiations, for smat_grouped_fast.cu and smat_grouped_mma.cu.
+template <template <SmatReadKind, typename> class Launch, typename In, typename... Args>
+cudaError_t DispatchReadKind(SmatReadKind kind, const Args&... args) {
+  switch (kind) {
+    case SmatReadKind::kVecMat:
+      return Launch<SmatReadKind::kVecMat, In>::Run(args...);
+    case SmatReadKind::kMatVec:
+      return Launch<SmatReadKind::kMatVec, In>::Run(args...);
+    case SmatReadKind::kBoth:
+      return Launch<SmatReadKind::kBoth, In>::Run(args...);
+  }
+  return cudaErrorInvalidValue;
+}
+template <template <SmatReadKind, typename> class Launch, typename... Args>
+cudaError_t DispatchReads(bool bf16, SmatReadKind kind, const Args&... args) {
+  return bf16 ? DispatchReadKind<Launch, __nv_bfloat16>(kind, args...)
+              : DispatchReadKind<Launch, float>(kind, args...);
+}
+
+__host__ __device__ inline bool Aligned16(const void* ptr) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
+}
 
 }  // namespace fast_tiles
 }  // namespace smat

@@ -292,43 +292,25 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3
 }
 
 template <SmatReadKind kRead, typename In>
-cudaError_t LaunchReads(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                        const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
-                        const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                        float* out_v, cudaStream_t stream) {
-  constexpr size_t kSmem = sizeof(float) * ReadsSmem<kRead>::kFloats;
-  auto kernel = GroupReadsKernel<kRead, In>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  constexpr int V = 16 / sizeof(In);
-  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
-  kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments, vec, M, lay,
-                                            static_cast<const In*>(a), static_cast<const In*>(v),
-                                            g, w, out_p, out_r, out_v);
-  return cudaGetLastError();
-}
-
-template <typename In>
-cudaError_t LaunchReadsKind(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                            SmatReadKind kind, const float* M, const SmatMatrixLayout& lay,
-                            const void* a, const void* v, const float* g,
-                            const SmatTokenWeights& w, float* out_p, float* out_r, float* out_v,
-                            cudaStream_t stream) {
-  switch (kind) {
-    case SmatReadKind::kVecMat:
-      return LaunchReads<SmatReadKind::kVecMat, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
-                                                    out_r, out_v, stream);
-    case SmatReadKind::kMatVec:
-      return LaunchReads<SmatReadKind::kMatVec, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
-                                                    out_r, out_v, stream);
-    case SmatReadKind::kBoth:
-      return LaunchReads<SmatReadKind::kBoth, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
-                                                  out_r, out_v, stream);
+struct LaunchReads {
+  static cudaError_t Run(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                         const float* M, const SmatMatrixLayout& lay, const void* a,
+                         const void* v, const float* g, const SmatTokenWeights& w, float* out_p,
+                         float* out_r, float* out_v, cudaStream_t stream) {
+    constexpr size_t kSmem = sizeof(float) * ReadsSmem<kRead>::kFloats;
+    auto kernel = GroupReadsKernel<kRead, In>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    constexpr int V = 16 / sizeof(In);
+    const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
+    const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+    kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments, vec, M, lay,
+                                              static_cast<const In*>(a), static_cast<const In*>(v),
+                                              g, w, out_p, out_r, out_v);
+    return cudaGetLastError();
   }
-  return cudaErrorInvalidValue;
-}
+};
 
 template <typename In>
 cudaError_t LaunchOuter(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
@@ -372,10 +354,8 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& d, const SmatTokenGro
     return LaunchSmatGroupedReadsMma(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
                                      out_v, stream);
   }
-  return d.bf16 ? LaunchReadsKind<__nv_bfloat16>(d, groups, segments, kind, M, lay, a, v, g, w,
-                                                 out_p, out_r, out_v, stream)
-                : LaunchReadsKind<float>(d, groups, segments, kind, M, lay, a, v, g, w, out_p,
-                                         out_r, out_v, stream);
+  return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v,
+                                                 g, w, out_p, out_r, out_v, stream);
 }
 
 }  // namespace smat

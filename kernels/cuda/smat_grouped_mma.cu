@@ -451,45 +451,27 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 template <SmatReadKind kRead, typename In>
-cudaError_t LaunchReads(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                        const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
-                        const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                        float* out_v, cudaStream_t stream) {
-  auto kernel = ReadsMmaKernel<kRead, In>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadsSmemBytes);
-  if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
-  if (err != cudaSuccess) return err;
-  constexpr int V = 16 / sizeof(In);
-  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
-  kernel<<<grid, kThreads, kReadsSmemBytes, stream>>>(
-      d, groups, segments, vec, M, lay, static_cast<const In*>(a), static_cast<const In*>(v), g,
-      w, out_p, out_r, out_v);
-  return cudaGetLastError();
-}
-
-template <typename In>
-cudaError_t LaunchReadsKind(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                            SmatReadKind kind, const float* M, const SmatMatrixLayout& lay,
-                            const void* a, const void* v, const float* g,
-                            const SmatTokenWeights& w, float* out_p, float* out_r, float* out_v,
-                            cudaStream_t stream) {
-  switch (kind) {
-    case SmatReadKind::kVecMat:
-      return LaunchReads<SmatReadKind::kVecMat, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
-                                                    out_r, out_v, stream);
-    case SmatReadKind::kMatVec:
-      return LaunchReads<SmatReadKind::kMatVec, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
-                                                    out_r, out_v, stream);
-    case SmatReadKind::kBoth:
-      return LaunchReads<SmatReadKind::kBoth, In>(d, groups, segments, M, lay, a, v, g, w, out_p,
-                                                  out_r, out_v, stream);
+struct LaunchReads {
+  static cudaError_t Run(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                         const float* M, const SmatMatrixLayout& lay, const void* a,
+                         const void* v, const float* g, const SmatTokenWeights& w, float* out_p,
+                         float* out_r, float* out_v, cudaStream_t stream) {
+    auto kernel = ReadsMmaKernel<kRead, In>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadsSmemBytes);
+    if (err != cudaSuccess) return err;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    if (err != cudaSuccess) return err;
+    constexpr int V = 16 / sizeof(In);
+    const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
+    const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+    kernel<<<grid, kThreads, kReadsSmemBytes, stream>>>(
+        d, groups, segments, vec, M, lay, static_cast<const In*>(a), static_cast<const In*>(v), g,
+        w, out_p, out_r, out_v);
+    return cudaGetLastError();
   }
-  return cudaErrorInvalidValue;
-}
+};
 
 }  // namespace
 
@@ -524,10 +506,8 @@ cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& d, const SmatTokenGrou
                                       const float* g, const SmatTokenWeights& w, float* out_p,
                                       float* out_r, float* out_v, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  return d.bf16 ? LaunchReadsKind<__nv_bfloat16>(d, groups, segments, kind, M, lay, a, v, g, w,
-                                                 out_p, out_r, out_v, stream)
-                : LaunchReadsKind<float>(d, groups, segments, kind, M, lay, a, v, g, w, out_p,
-                                         out_r, out_v, stream);
+  return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v,
+                                                 g, w, out_p, out_r, out_v, stream);
 }
 
 }  // namespace smat
