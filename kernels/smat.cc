@@ -46,12 +46,6 @@ absl::StatusOr<Tensor> Alloc(Backend& backend, Shape shape) {
   return Tensor::Empty(std::move(shape), DType::kF32, backend.allocator());
 }
 
-absl::StatusOr<Tensor> Zeros(Backend& backend, Shape shape, Stream* stream) {
-  SMAT_ASSIGN_OR_RETURN(Tensor t, Alloc(backend, std::move(shape)));
-  SMAT_RETURN_IF_ERROR(backend.Fill(t, 0.0, stream));
-  return t;
-}
-
 }  // namespace
 
 absl::StatusOr<SmatDims> CheckSmatInputs(const SmatPlan& plan, const SmatSpan& span,
@@ -188,9 +182,24 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   SMAT_RETURN_IF_ERROR(k->NormalizeBackward(d_o, fwd.o, sv.den, in.eps, &gbar,
                                             gated ? &dlam_row : nullptr, stream));
   *grads = SmatGradients();
-  SMAT_ASSIGN_OR_RETURN(grads->phi, Zeros(backend, {d.batch, d.L, d.H, d.r}, stream));
-  SMAT_ASSIGN_OR_RETURN(grads->psi, Zeros(backend, {d.batch, d.L, d.H, d.r}, stream));
-  SMAT_ASSIGN_OR_RETURN(grads->v, Zeros(backend, {d.batch, d.L, d.H, d.dv}, stream));
+  SMAT_ASSIGN_OR_RETURN(grads->phi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
+  SMAT_ASSIGN_OR_RETURN(grads->psi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
+  SMAT_ASSIGN_OR_RETURN(grads->v, Alloc(backend, {d.batch, d.L, d.H, d.dv}));
+
+  // Causal branch, eq. 19: state gradients, the suffix scan, the tiles. The
+  // tiles cover every token, so they write the three gradients (no zeroing
+  // before, nothing read back) and the long-range branch adds to them.
+  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->ChunkStateGradients(plan, span, in.phi, gbar, sv.lam, &S_in_bar,
+                                              stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor D_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor state_grad, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, sv.chunk_decay, Tensor(),
+                                            &D_bar, &state_grad, stream));
+  SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(plan, span, in.phi, in.psi, in.v, sv.lam,
+                                               sv.chunk_decay, sv.S_in, gbar, D_bar,
+                                               &grads->phi, &grads->psi, &grads->v,
+                                               SmatGradWrite::kAssign, stream));
 
   // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar, gather to tokens.
   SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
@@ -202,18 +211,6 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, sv.lam,
                                                  sv.chunk_decay, Tensor(), in.prof, F_bar,
                                                  &grads->psi, &grads->v, stream));
-
-  // Causal branch, eq. 19: state gradients, the suffix scan, the tiles.
-  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->ChunkStateGradients(plan, span, in.phi, gbar, sv.lam, &S_in_bar,
-                                              stream));
-  SMAT_ASSIGN_OR_RETURN(Tensor D_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
-  SMAT_ASSIGN_OR_RETURN(Tensor state_grad, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, sv.chunk_decay, Tensor(),
-                                            &D_bar, &state_grad, stream));
-  SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(plan, span, in.phi, in.psi, in.v, sv.lam,
-                                               sv.chunk_decay, sv.S_in, gbar, D_bar,
-                                               &grads->phi, &grads->psi, &grads->v, stream));
 
   // Gates last: dL/dLambda needs the complete psi_bar.
   if (gated) {

@@ -126,6 +126,11 @@ struct SmatSpan {
 // t1 chunk-aligned or T, 0 <= t0 < t1 <= T).
 absl::Status ValidateSmatSpan(const SmatPlan& plan, const SmatSpan& span);
 
+// How a backward phase treats its gradient outputs: kAdd adds into them (+=);
+// kAssign writes every element of the span (=), so the caller need not zero
+// them first and the phase reads nothing back.
+enum class SmatGradWrite { kAdd, kAssign };
+
 class SmatKernels {
  public:
   virtual ~SmatKernels() = default;
@@ -224,7 +229,9 @@ class SmatKernels {
 
   // ====================== backward (Appendix E) ======================
   // gbar_t = dL/dybar_t. Gradients phi_bar, psi_bar, v_bar are fp32 and
-  // accumulated (+=) by several phases in the order of kernels/smat.cc.
+  // accumulated (+=) by several phases in the order of kernels/smat.cc; B7,
+  // which covers every token of the span, can write them instead (see
+  // SmatGradWrite), so that they need no zeroing first.
 
   // B1. Jacobian of the division (Appendix E, last display):
   //   gbar_t[0:dv] = do_t / den_t,  gbar_t[dv] = -(do_t . o_t) / den_t;
@@ -307,6 +314,8 @@ class SmatKernels {
   //     phi_bar_t += exp(lam[t]) S_in[k] gbar_t + sum_s W[t, s] (vbar_s . gbar_t) psi_s
   //     Zbar_s     = sum_t W[t, s] phi_t gbar_t^T + w_s D_bar[k]
   //     psi_bar_s += Zbar_s vbar_s,   v_bar_s += (Zbar_s^T psi_s)[0:dv].
+  //   With SmatGradWrite::kAssign, = in place of += in all three (every element
+  //   of the span's phi_bar, psi_bar and v_bar is written).
   virtual absl::Status ChunkOutputsBackward(const SmatPlan& plan, const SmatSpan& span,
                                             const Tensor& phi,          // [batch, L, H, r]
                                             const Tensor& psi,          // [batch, L, H, r]
@@ -319,7 +328,7 @@ class SmatKernels {
                                             Tensor* phi_bar,            // [batch, L, H, r] (+=)
                                             Tensor* psi_bar,            // [batch, L, H, r] (+=)
                                             Tensor* v_bar,              // [batch, L, H, dv] (+=)
-                                            Stream* stream) = 0;
+                                            SmatGradWrite write, Stream* stream) = 0;
 
   // B8. Gate gradient. Every mask weight is exp(Lambda_i - Lambda_j), so
   //   dL/dLambda_t = (sum over t's row) - (sum over t's column)

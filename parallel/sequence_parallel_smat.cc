@@ -406,7 +406,8 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
       k->ChunkScanBackward(plan, span, S_in_bar, cd, incoming_grad, &D_bar, &ssg, stream));
   SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(plan, span, in.phi, in.psi, in.v, lam, cd,
                                                sv.local.S_in, gbar, D_bar, &grads->phi,
-                                               &grads->psi, &grads->v, stream));
+                                               &grads->psi, &grads->v, SmatGradWrite::kAdd,
+                                               stream));
 
   SMAT_RETURN_IF_ERROR(table->Wait());
   SMAT_RETURN_IF_ERROR(Upload(backend, U_bar_comm, U_bar, stream));

@@ -272,6 +272,23 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                      return k->NormalizeBackward(d_o, o, den, eps, &gbar,
                                                  cfg.gated ? &dlam_row : nullptr, nullptr);
                    }});
+    // The order of SmatBackward (kernels/smat.cc): the chunk tiles write the
+    // gradients, the long-range phases add to them.
+    bwd.push_back({"ChunkStateGradients", N * (r * es + p * 4) + gate_bytes + NC * W * 4,
+                   2 * N * W, [&] {
+                     return k->ChunkStateGradients(plan, span, phi, gbar, lam, &S_in_bar, nullptr);
+                   }});
+    bwd.push_back({"ChunkScanBackward", NC * W * 8, 2 * NC * W, [&] {
+                     return k->ChunkScanBackward(plan, span, S_in_bar, cd, Tensor(), &D_bar,
+                                                 &state_grad, nullptr);
+                   }});
+    bwd.push_back({"ChunkOutputsBackward",
+                   N * ((2 * r + dv) * es + p * 4 + (2 * r + dv) * 4) + gate_bytes + NC * W * 8,
+                   2 * N * c * (r + p) + 6 * N * W, [&] {
+                     return k->ChunkOutputsBackward(plan, span, phi, psi, v, lam, cd, S_in, gbar,
+                                                    D_bar, &phi_bar, &psi_bar, &v_bar,
+                                                    SmatGradWrite::kAssign, nullptr);
+                   }});
     bwd.push_back({"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8,
                    4 * nr * W, [&] {
                      return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(),
@@ -283,20 +300,6 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                    4 * nd * W, [&] {
                      return k->ProfilePoolingBackward(plan, span, psi, v, lam, cd, Tensor(),
                                                       Tensor(), F_bar, &psi_bar, &v_bar, nullptr);
-                   }});
-    bwd.push_back({"ChunkStateGradients", N * (r * es + p * 4) + gate_bytes + NC * W * 4,
-                   2 * N * W, [&] {
-                     return k->ChunkStateGradients(plan, span, phi, gbar, lam, &S_in_bar, nullptr);
-                   }});
-    bwd.push_back({"ChunkScanBackward", NC * W * 8, 2 * NC * W, [&] {
-                     return k->ChunkScanBackward(plan, span, S_in_bar, cd, Tensor(), &D_bar,
-                                                 &state_grad, nullptr);
-                   }});
-    bwd.push_back({"ChunkOutputsBackward",
-                   N * ((2 * r + dv) * es + p * 4 + (2 * r + dv) * 8) + gate_bytes + NC * W * 8,
-                   2 * N * c * (r + p) + 6 * N * W, [&] {
-                     return k->ChunkOutputsBackward(plan, span, phi, psi, v, lam, cd, S_in, gbar,
-                                                    D_bar, &phi_bar, &psi_bar, &v_bar, nullptr);
                    }});
     if (cfg.gated) {
       bwd.push_back({"LogDecayBackward", N * (r * es + r * 4 + 12), 2 * N * r, [&] {

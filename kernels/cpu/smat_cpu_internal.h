@@ -144,7 +144,7 @@ class CpuSmatKernels final : public SmatKernels {
                                     const Tensor& lam, const Tensor& chunk_decay,
                                     const Tensor& S_in, const Tensor& gbar, const Tensor& D_bar,
                                     Tensor* phi_bar, Tensor* psi_bar, Tensor* v_bar,
-                                    Stream* stream) override;
+                                    SmatGradWrite write, Stream* stream) override;
   absl::Status LogDecayBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& psi,
                                 const Tensor& psi_bar, const Tensor& dlam_row,
                                 const Tensor& suffix_in, Tensor* logg_bar, Tensor* span_sum,

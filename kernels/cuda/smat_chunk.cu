@@ -370,11 +370,15 @@ cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& d, int query_tile
                                            const float* lam, const float* chunk_decay,
                                            const float* S_in, const float* gbar,
                                            const float* D_bar, float* phi_bar, float* psi_bar,
-                                           float* v_bar, cudaStream_t stream) {
+                                           float* v_bar, bool assign, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (SmatUseFastChunkTiles(d)) {
     return LaunchSmatChunkOutputsBackwardFast(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
-                                              phi_bar, psi_bar, v_bar, stream);
+                                              phi_bar, psi_bar, v_bar, assign, stream);
+  }
+  if (assign) {
+    cudaError_t err = ZeroSmatChunkOutputsBackward(d, phi_bar, psi_bar, v_bar, stream);
+    if (err != cudaSuccess) return err;
   }
   const size_t smem_q = sizeof(float) * SmemFloats(d, query_tile, ChunkKernel::kQueryBackward);
   cudaError_t err = Prepare(ChunkQueryBackwardKernel, smem_q);
@@ -392,6 +396,15 @@ cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& d, int query_tile
                            smem_k, stream>>>(d, key_tile, phi, psi, v, lam, chunk_decay, gbar,
                                              D_bar, psi_bar, v_bar);
   return cudaGetLastError();
+}
+
+cudaError_t ZeroSmatChunkOutputsBackward(const SmatCudaDims& d, float* phi_bar, float* psi_bar,
+                                         float* v_bar, cudaStream_t stream) {
+  const size_t rows = static_cast<size_t>(d.batch) * static_cast<size_t>(d.L) * d.H;
+  cudaError_t err = cudaMemsetAsync(phi_bar, 0, rows * d.r * sizeof(float), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(psi_bar, 0, rows * d.r * sizeof(float), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(v_bar, 0, rows * d.dv * sizeof(float), stream);
+  return err;
 }
 
 }  // namespace smat

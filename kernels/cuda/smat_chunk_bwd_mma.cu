@@ -55,6 +55,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda/smat_device.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
@@ -132,11 +133,12 @@ __device__ __forceinline__ void SplitB(const float (&x)[4], uint32_t (&b)[3][2])
   Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
 }
 
-// out rows m0 + (16 rows), columns n0 + (8 kNt) += hi + lo, for rows < ce
-// and columns < width. Every old value the thread adds to is loaded before the
-// first store of its row (two memory latencies per job, not one per element); pairs: width
-// is even and out 8-byte aligned, so each (n, n + 1) moves as one float2.
-template <int kNt>
+// out rows m0 + (16 rows), columns n0 + (8 kNt) += hi + lo (kAssign: =), for
+// rows < ce and columns < width. Every old value the thread adds to is loaded
+// before the first store of its row (two memory latencies per job, not one per
+// element); pairs: width is even and out 8-byte aligned, so each (n, n + 1)
+// moves as one float2.
+template <int kNt, bool kAssign>
 __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d, int b, int h,
                                           int64_t c0, int m0, int n0, int width, bool pairs,
                                           float (&hi)[kNt][4], const float (&lo)[kNt][4],
@@ -162,7 +164,7 @@ __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d
       for (int nt = 0; nt < kNt; ++nt) {
         const int n = n0 + 8 * nt + 2 * bk.tq;
         float2 x = make_float2(0.f, 0.f);
-        if (row_ok[hr] && n < width) x = *reinterpret_cast<const float2*>(o[hr] + n);
+        if (!kAssign && row_ok[hr] && n < width) x = *reinterpret_cast<const float2*>(o[hr] + n);
         old[nt][0] = x.x;
         old[nt][1] = x.y;
       }
@@ -180,7 +182,7 @@ __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d
 #pragma unroll
         for (int e1 = 0; e1 < 2; ++e1) {
           const int n = n0 + 8 * nt + 2 * bk.tq + e1;
-          old[nt][e1] = row_ok[hr] && n < width ? o[hr][n] : 0.f;
+          old[nt][e1] = !kAssign && row_ok[hr] && n < width ? o[hr][n] : 0.f;
         }
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt)
@@ -194,7 +196,7 @@ __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d
 }
 
 // phi_bar rows t of block i: side S_in gbar_t scaled by wq, then the causal sum.
-template <bool kGated>
+template <bool kAssign>
 __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
                                           int64_t c0, int i, const float* __restrict__ S,
                                           float* __restrict__ phi_bar) {
@@ -292,11 +294,11 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
         Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  StoreRows<8>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r, hi, lo, phi_bar);
+  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r, hi, lo, phi_bar);
 }
 
 // psi_bar rows s of block j: side w_s D_bar vbar_s, then the causal sum.
-template <bool kGated>
+template <bool kAssign>
 __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& d, int b, int h,
                                            int64_t c0, int j, const float* __restrict__ D,
                                            float* __restrict__ psi_bar) {
@@ -394,12 +396,12 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
         Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  StoreRows<8>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r, hi, lo, psi_bar);
+  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r, hi, lo, psi_bar);
 }
 
 // v_bar rows s of block j, columns [32 hf, 32 hf + 32): side w_s D_bar^T psi_s,
 // then the causal sum.
-template <bool kGated>
+template <bool kAssign>
 __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d, int b, int h,
                                          int64_t c0, int j, int hf, const float* __restrict__ D,
                                          float* __restrict__ v_bar) {
@@ -490,7 +492,7 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       }
     }
   }
-  StoreRows<4>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v, hi, lo, v_bar);
+  StoreRows<4, kAssign>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v, hi, lo, v_bar);
 }
 
 // dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
@@ -527,7 +529,8 @@ __device__ __forceinline__ void StageRows(const __nv_bfloat16* src, int64_t stri
 }
 
 // grid (Lc, batch * H), kThreads threads, kSmemBytes of shared memory.
-template <bool kGated>
+// kAssign: the outputs are written, not added to (SmatGradWrite::kAssign).
+template <bool kGated, bool kAssign>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, bool pairs_r, bool pairs_v,
                              const __nv_bfloat16* __restrict__ phi,
@@ -624,23 +627,23 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
   const int w = tid >> 5;
   if (w < bk.nb) {
-    QueryRows<kGated>(bk, d, b, h, c0, w, Sk, phi_bar);
-    KeyRowsPsi<kGated>(bk, d, b, h, c0, w, Dk, psi_bar);
+    QueryRows<kAssign>(bk, d, b, h, c0, w, Sk, phi_bar);
+    KeyRowsPsi<kAssign>(bk, d, b, h, c0, w, Dk, psi_bar);
   }
   // One call site for both v_bar halves keeps the kernel's code small.
 #pragma unroll 1
   for (int hf = 0; hf < 2; ++hf) {
     const int j = hf == 0 ? w : 7 - w;
-    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kGated>(bk, d, b, h, c0, j, hf, Dk, v_bar);
+    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kAssign>(bk, d, b, h, c0, j, hf, Dk, v_bar);
   }
 }
 
-template <bool kGated>
+template <bool kGated, bool kAssign>
 cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
                         const float* lam, const float* chunk_decay, const float* S_in,
                         const float* gbar, const float* D_bar, float* phi_bar, float* psi_bar,
                         float* v_bar, cudaStream_t stream) {
-  auto kernel = ChunkBackwardFusedKernel<kGated>;
+  auto kernel = ChunkBackwardFusedKernel<kGated, kAssign>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -673,13 +676,16 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const voi
                                                 const float* chunk_decay, const float* S_in,
                                                 const float* gbar, const float* D_bar,
                                                 float* phi_bar, float* psi_bar, float* v_bar,
-                                                cudaStream_t stream) {
+                                                bool assign, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  return lam != nullptr
-             ? LaunchGated<true>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar,
-                                 psi_bar, v_bar, stream)
-             : LaunchGated<false>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar,
-                                  psi_bar, v_bar, stream);
+  auto launch = [&](auto gated, auto write) {
+    return LaunchGated<decltype(gated)::value, decltype(write)::value>(
+        d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, stream);
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (lam != nullptr) return assign ? launch(Yes(), Yes()) : launch(Yes(), No());
+  return assign ? launch(No(), Yes()) : launch(No(), No());
 }
 
 }  // namespace smat

@@ -594,13 +594,16 @@ cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& d, const void*
                                               const float* chunk_decay, const float* S_in,
                                               const float* gbar, const float* D_bar,
                                               float* phi_bar, float* psi_bar, float* v_bar,
-                                              cudaStream_t stream) {
+                                              bool assign, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (SmatChunkBackwardFusedFits(d)) {
     return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
-                                               D_bar, phi_bar, psi_bar, v_bar, stream);
+                                               D_bar, phi_bar, psi_bar, v_bar, assign, stream);
   }
-  cudaError_t err = LaunchAny<Kind::kQuery>(d, phi, psi, v, gbar, lam, chunk_decay, S_in,
+  cudaError_t err =
+      assign ? ZeroSmatChunkOutputsBackward(d, phi_bar, psi_bar, v_bar, stream) : cudaSuccess;
+  if (err != cudaSuccess) return err;
+  err = LaunchAny<Kind::kQuery>(d, phi, psi, v, gbar, lam, chunk_decay, S_in,
                                             phi_bar, stream);
   if (err != cudaSuccess) return err;
   err = LaunchAny<Kind::kKeyPsi>(d, phi, psi, v, gbar, lam, chunk_decay, D_bar, psi_bar, stream);

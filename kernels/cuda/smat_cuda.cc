@@ -386,7 +386,8 @@ class CudaSmatKernels final : public SmatKernels {
                                     const Tensor& psi, const Tensor& v, const Tensor& lam,
                                     const Tensor& chunk_decay, const Tensor& S_in,
                                     const Tensor& gbar, const Tensor& D_bar, Tensor* phi_bar,
-                                    Tensor* psi_bar, Tensor* v_bar, Stream* stream) override {
+                                    Tensor* psi_bar, Tensor* v_bar, SmatGradWrite write,
+                                    Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
     SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
@@ -402,7 +403,8 @@ class CudaSmatKernels final : public SmatKernels {
     return CudaStatus(LaunchSmatChunkOutputsBackward(d, qtile, ktile, phi.raw(), psi.raw(), v.raw(),
                                                      F32(lam), F32(chunk_decay), F32(S_in),
                                                      F32(gbar), F32(D_bar), F32(phi_bar),
-                                                     F32(psi_bar), F32(v_bar), s),
+                                                     F32(psi_bar), F32(v_bar),
+                                                     write == SmatGradWrite::kAssign, s),
                       "ChunkOutputsBackward kernel");
   }
 

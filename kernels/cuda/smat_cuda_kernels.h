@@ -166,13 +166,18 @@ cudaError_t LaunchSmatChunkOutputs(const SmatCudaDims& dims, int tile, const voi
                                    const void* psi, const void* v, const float* lam,
                                    const float* S_in, float* ybar, cudaStream_t stream);
 
-// B7 (eq. 19): phi_bar += (query tiles), then psi_bar, v_bar += (key tiles).
+// B7 (eq. 19): phi_bar += (query tiles), then psi_bar, v_bar += (key tiles);
+// assign: = in place of += (SmatGradWrite::kAssign).
 cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& dims, int query_tile, int key_tile,
                                            const void* phi, const void* psi, const void* v,
                                            const float* lam, const float* chunk_decay,
                                            const float* S_in, const float* gbar,
                                            const float* D_bar, float* phi_bar, float* psi_bar,
-                                           float* v_bar, cudaStream_t stream);
+                                           float* v_bar, bool assign, cudaStream_t stream);
+// B7's three outputs set to 0 on `stream`: how the tiles that only add
+// implement assign.
+cudaError_t ZeroSmatChunkOutputsBackward(const SmatCudaDims& dims, float* phi_bar, float* psi_bar,
+                                         float* v_bar, cudaStream_t stream);
 
 // ---- smat_chunk_fast.cu ---------------------------------------------------------
 
@@ -208,7 +213,7 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const v
                                                const float* chunk_decay, const float* S_in,
                                                const float* gbar, const float* D_bar,
                                                float* phi_bar, float* psi_bar, float* v_bar,
-                                               cudaStream_t stream);
+                                               bool assign, cudaStream_t stream);
 
 // ---- smat_chunk_mma.cu ----------------------------------------------------------
 
@@ -232,7 +237,7 @@ cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& dims, const vo
                                               const float* chunk_decay, const float* S_in,
                                               const float* gbar, const float* D_bar,
                                               float* phi_bar, float* psi_bar, float* v_bar,
-                                              cudaStream_t stream);
+                                              bool assign, cudaStream_t stream);
 
 // ---- smat_chunk_fwd_mma.cu ------------------------------------------------------
 
@@ -256,7 +261,7 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& dims, const 
                                                 const float* lam, const float* chunk_decay,
                                                 const float* S_in, const float* gbar,
                                                 const float* D_bar, float* phi_bar,
-                                                float* psi_bar, float* v_bar,
+                                                float* psi_bar, float* v_bar, bool assign,
                                                 cudaStream_t stream);
 
 }  // namespace smat

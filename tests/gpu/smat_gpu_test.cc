@@ -428,11 +428,26 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     both("ChunkOutputsBackward", [&](SmatKernels& k, const Get& t, const Opt& o) {
       return k.ChunkOutputsBackward(plan, span, t("phi"), t("psi"), t("v"), o("lam"),
                                     o("chunk_decay"), t("S_in"), t("gbar"), t("D_bar"),
-                                    &t("phi_bar"), &t("psi_bar"), &t("v_bar"), nullptr);
+                                    &t("phi_bar"), &t("psi_bar"), &t("v_bar"),
+                                    SmatGradWrite::kAdd, nullptr);
     });
     pb.Compare("ChunkOutputsBackward", "phi_bar", tol, true);
     pb.Compare("ChunkOutputsBackward", "psi_bar", tol, true);
     pb.Compare("ChunkOutputsBackward", "v_bar", tol, true);
+    // Written (=) rather than added to: from NaN-poisoned outputs, so every
+    // element the GPU leaves unwritten fails the comparison.
+    pb.Out("phi_bar_set", {b, L, H, r});
+    pb.Out("psi_bar_set", {b, L, H, r});
+    pb.Out("v_bar_set", {b, L, H, dv});
+    both("ChunkOutputsBackward (=)", [&](SmatKernels& k, const Get& t, const Opt& o) {
+      return k.ChunkOutputsBackward(plan, span, t("phi"), t("psi"), t("v"), o("lam"),
+                                    o("chunk_decay"), t("S_in"), t("gbar"), t("D_bar"),
+                                    &t("phi_bar_set"), &t("psi_bar_set"), &t("v_bar_set"),
+                                    SmatGradWrite::kAssign, nullptr);
+    });
+    pb.Compare("ChunkOutputsBackward (=)", "phi_bar_set", tol, true);
+    pb.Compare("ChunkOutputsBackward (=)", "psi_bar_set", tol, true);
+    pb.Compare("ChunkOutputsBackward (=)", "v_bar_set", tol, true);
     if (gated) {
       pb.Out("logg_bar", {b, L, H});
       pb.Out("span_sum", {b, H});

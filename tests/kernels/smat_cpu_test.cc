@@ -290,6 +290,58 @@ TEST(SmatCpuTest, BackwardPhaseTablesMatchDirectSums) {
   }
 }
 
+// B7 with SmatGradWrite::kAssign writes every gradient element of the span
+// (from NaN-filled outputs) and equals kAdd from zeros, bit for bit; kAdd
+// adds to what is there.
+TEST(SmatCpuTest, ChunkOutputsBackwardWritesOrAdds) {
+  const ProblemSpec s{.batch = 2, .T = 151, .H = 2, .r = 7, .dv = 5, .d = 2, .chunk = 32,
+                      .gated = true, .seed = 21};
+  auto plan = MakeSmatPlan(s.T, s.d, s.chunk);
+  ASSERT_TRUE(plan.ok());
+  SmatReferenceProblem pr = RandomProblem(*plan, s);
+  RoundToF32(&pr);
+  auto backend = CreateBackend(Device::Cpu());
+  ASSERT_TRUE(backend.ok());
+  std::unique_ptr<SmatKernels> k = MakeCpuSmatKernels();
+  const SmatInputs in = MakeInputs(pr);
+  SmatForwardOutputs fwd;
+  ASSERT_TRUE(SmatForward(**backend, *k, *plan, in, &fwd).ok());
+  const SmatSpan span = SmatSpan::Whole(*plan);
+  const int64_t b = s.batch, T = s.T, H = s.H, r = s.r, dv = s.dv, p = dv + 1,
+                Lc = plan->num_chunks;
+  const Tensor gbar = ToF32(RandomVector(b * T * H * p, 22), {b, T, H, p});
+  const Tensor D_bar = ToF32(RandomVector(b * Lc * H * r * p, 23), {b, Lc, H, r, p});
+  auto run = [&](SmatGradWrite write, const std::vector<double>& start_r,
+                 const std::vector<double>& start_v) {
+    std::vector<Tensor> out = {ToF32(start_r, {b, T, H, r}), ToF32(start_r, {b, T, H, r}),
+                               ToF32(start_v, {b, T, H, dv})};
+    const absl::Status st =
+        k->ChunkOutputsBackward(*plan, span, in.phi, in.psi, in.v, fwd.saved.lam,
+                                fwd.saved.chunk_decay, fwd.saved.S_in, gbar, D_bar, &out[0],
+                                &out[1], &out[2], write, nullptr);
+    EXPECT_TRUE(st.ok()) << st;
+    return std::vector<std::vector<double>>{ToDouble(out[0]), ToDouble(out[1]),
+                                            ToDouble(out[2])};
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const auto set = run(SmatGradWrite::kAssign, std::vector<double>(b * T * H * r, nan),
+                       std::vector<double>(b * T * H * dv, nan));
+  const auto from_zero = run(SmatGradWrite::kAdd, std::vector<double>(b * T * H * r, 0.0),
+                             std::vector<double>(b * T * H * dv, 0.0));
+  const std::vector<double> xr = RandomVector(b * T * H * r, 24), xv = RandomVector(b * T * H * dv, 25);
+  const auto added = run(SmatGradWrite::kAdd, xr, xv);
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    const std::vector<double>& x = i < 2 ? xr : xv;
+    ASSERT_GT(MaxAbs(set[i]), 0.0);
+    for (double e : set[i]) ASSERT_TRUE(std::isfinite(e));
+    EXPECT_EQ(set[i], from_zero[i]);
+    std::vector<double> minus(x.size());
+    for (size_t j = 0; j < x.size(); ++j) minus[j] = added[i][j] - static_cast<float>(x[j]);
+    EXPECT_LT(MaxRelError(minus, set[i]), 1e-5);
+  }
+}
+
 TEST(SmatCpuTest, RepeatedRunsAreBitwiseEqual) {
   const ProblemSpec s{.batch = 2, .T = 301, .H = 2, .r = 9, .dv = 4, .d = 2, .chunk = 32,
                       .gated = true, .content = true};

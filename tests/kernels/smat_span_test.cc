@@ -275,7 +275,7 @@ void CheckSpansEqualWhole(const ProblemSpec& s, const std::vector<int64_t>& cuts
     ASSERT_TRUE(AllFinite(Dbar));
     ASSERT_TRUE(k.ChunkOutputsBackward(plan, st.span, st.in.phi, st.in.psi, st.in.v, st.lam,
                                        st.cd, st.S_in, gbar[i], Dbar, &phib[i], &psib[i], &vb[i],
-                                       nullptr).ok());
+                                       SmatGradWrite::kAdd, nullptr).ok());
     ASSERT_TRUE(k.ProfilePoolingBackward(plan, st.span, st.in.psi, st.in.v, st.lam, st.cd,
                                          s.gated ? st.tail : Tensor(), st.in.prof, F_bar,
                                          &psib[i], &vb[i], nullptr).ok());
