@@ -6,7 +6,8 @@
 //   phi_bar_t += exp(lam_t) S_in gbar_t   + sum_{s <= t} W G[t, s] psi_s     (query rows)
 //   psi_bar_s += w_s D_bar vbar_s         + sum_{t >= s} W G[t, s] phi_t     (key rows)
 //   v_bar_s   += w_s (D_bar^T psi_s)[:dv] + sum_{t >= s} W A[t, s] gbar_t[:dv]
-// (w_s = exp(chunk_decay[k] - lam_s)). LaunchSmatChunkOutputsBackwardMma runs it
+// (w_s = exp(chunk_decay[k] - lam_s); kAssign: = in place of +=, the
+// SmatGradWrite::kAssign of SmatBackward). LaunchSmatChunkOutputsBackwardMma runs it
 // for bf16 inputs (the default where SmatUseMmaChunkTiles says so, and with
 // SMAT_CUDA_CHUNK_TILES=mma); fp32 inputs keep the three tiles of
 // smat_chunk_mma.cu, and SMAT_CUDA_CHUNK_TILES=ffma the FFMA tiles of
@@ -34,6 +35,12 @@
 // (8 - w), and v_bar in two 32-column halves, key rows w (8 - w) and 7 - w
 // (w + 1): every warp does the same work on a full chunk.
 //
+// The side terms (S_in, D_bar) follow, after a block barrier, by columns
+// instead (SideTerms): warp w adds columns [8 w, 8 w + 8) of all three outputs
+// for every token, so each warp loads and splits one eighth of S_in and D_bar.
+// With the rows' owners computing them, every warp loaded and split all of
+// both: half the kernel's instructions, 7.27 ms against 6.24 ms now.
+//
 // Exactness (the scheme of smat_chunk_mma.cu): bf16 inputs enter as one part;
 // every fp32 operand (gbar, S_in, D_bar, the score tiles) as three, a product
 // with one fp32 operand takes 3 MMAs and with two 6 (the terms down to 2^-16
@@ -43,10 +50,11 @@
 // same inputs give the same bits, within 1e-5 of the CPU phases
 // (tests/gpu/smat_gpu_test.cc).
 //
-// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 8.5 ms,
-// gated and not, against 21.7 ms for the three FFMA tiles (gated 22.5). Per
+// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 6.24 ms
+// writing its outputs (kAssign; 7.27 ms with the side terms by rows, 8.51 ms
+// adding to outputs read back), against 21.7 ms for the three FFMA tiles. Per
 // (chunk, b * H) the kernel issues 8832 MMAs (the splits make that about five
-// times the FLOPs of an exact product): about 140 TFLOP/s of mma.sync. The
+// times the FLOPs of an exact product): about 190 TFLOP/s of mma.sync. The
 // kernel is instruction-fetch sensitive: at 174 KB of code (every loop
 // unrolled) it took 13.9 ms, at 84 KB 11.1 ms ungated and 8.5 gated, hence
 // the loops kept rolled below and one code path for gated and ungated inputs.
@@ -195,12 +203,11 @@ __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d
   }
 }
 
-// phi_bar rows t of block i: side S_in gbar_t scaled by wq, then the causal sum.
+// phi_bar rows t of block i += the causal sum (kAssign: =).
 template <bool kAssign>
 __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int i, const float* __restrict__ S,
-                                          float* __restrict__ phi_bar) {
-  const int g = bk.g, tq = bk.tq, r = bk.r, dv = bk.dv, p = bk.p;
+                                          int64_t c0, int i, float* __restrict__ phi_bar) {
+  const int g = bk.g, tq = bk.tq, r = bk.r;
   float hi[8][4], lo[8][4];
   float gc[2], lt[2];
 #pragma unroll
@@ -208,43 +215,10 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
     gc[hr] = bk.gcol()[16 * i + g + 8 * hr];
     lt[hr] = bk.lam()[16 * i + g + 8 * hr];
   }
-  // Side: sum_{k < dv} gbar[t][k] S[n][k] + gbar[t][dv] S[n][dv], in two
-  // halves of 32 columns.
 #pragma unroll
-  for (int nh = 0; nh < 2; ++nh) {
-    float sh[4][4], sl[4][4];
+  for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
-    if (32 * nh < r) {
-#pragma unroll 1
-      for (int ks = 0; ks < bk.kd; ++ks) {
-        uint32_t a[3][4];
-#pragma unroll
-        for (int q = 0; q < 3; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
-        float x[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) LoadB(S, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, x[nt]);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          uint32_t bs[3][2];
-          SplitB(x[nt], bs);
-          Mma3x3(sh[nt], sl[nt], a, bs);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * i + g + 8 * (e >> 1);
-        const float sdv = bk.scol()[n];
-        const float side = fmaf(gc[e >> 1], sdv, sh[nt][e] + sl[nt][e]);
-        hi[4 * nh + nt][e] = bk.wq()[row] * side;
-        lo[4 * nh + nt][e] = 0.f;
-      }
-  }
+    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
   // Causal sum over key blocks j <= i.
   for (int j = 0; j <= i; ++j) {
     float sc[2][4], scl[2][4];
@@ -297,51 +271,19 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r, hi, lo, phi_bar);
 }
 
-// psi_bar rows s of block j: side w_s D_bar vbar_s, then the causal sum.
+// psi_bar rows s of block j += the causal sum (kAssign: =).
 template <bool kAssign>
 __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                           int64_t c0, int j, const float* __restrict__ D,
-                                           float* __restrict__ psi_bar) {
-  const int g = bk.g, tq = bk.tq, r = bk.r, dv = bk.dv, p = bk.p;
+                                           int64_t c0, int j, float* __restrict__ psi_bar) {
+  const int g = bk.g, tq = bk.tq, r = bk.r;
   float hi[8][4], lo[8][4];
   float ls[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam()[16 * j + g + 8 * hr];
-  // Side: sum_{k < dv} D[n][k] v_s[k] + D[n][dv], in two halves of 32 columns.
 #pragma unroll
-  for (int nh = 0; nh < 2; ++nh) {
-    float sh[4][4], sl[4][4];
+  for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
-    if (32 * nh < r) {
-#pragma unroll 1
-      for (int ks = 0; ks < bk.kd; ++ks) {
-        uint32_t a[4];
-        Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
-        float x[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) LoadB(D, 1, p, 16 * ks, 32 * nh + 8 * nt + g, dv, r, tq, x[nt]);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          uint32_t bd[3][2];
-          SplitB(x[nt], bd);
-          Mma1x3(sh[nt], sl[nt], a, bd);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = 32 * nh + 8 * nt + 2 * tq + (e & 1), row = 16 * j + g + 8 * (e >> 1);
-        const float ddv = bk.dcol()[n];
-        const float side = (sh[nt][e] + sl[nt][e]) + ddv;
-        hi[4 * nh + nt][e] = bk.wk()[row] * side;
-        lo[4 * nh + nt][e] = 0.f;
-      }
-  }
+    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
   // Causal sum over query blocks i >= j.
   for (int i = j; i < bk.nb; ++i) {
     float sc[2][4], scl[2][4];
@@ -399,48 +341,21 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r, hi, lo, psi_bar);
 }
 
-// v_bar rows s of block j, columns [32 hf, 32 hf + 32): side w_s D_bar^T psi_s,
-// then the causal sum.
+// v_bar rows s of block j, columns [32 hf, 32 hf + 32) += the causal sum
+// (kAssign: =).
 template <bool kAssign>
 __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                         int64_t c0, int j, int hf, const float* __restrict__ D,
-                                         float* __restrict__ v_bar) {
-  const int g = bk.g, tq = bk.tq, r = bk.r, dv = bk.dv, p = bk.p;
+                                         int64_t c0, int j, int hf, float* __restrict__ v_bar) {
+  const int g = bk.g, tq = bk.tq, dv = bk.dv;
   const int n0 = 32 * hf;
   float hi[4][4], lo[4][4];
   float ls[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam()[16 * j + g + 8 * hr];
-  {
-    float sh[4][4], sl[4][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sh[nt][e] = sl[nt][e] = 0.f;
-#pragma unroll 1
-    for (int ks = 0; ks < bk.kr; ++ks) {
-      uint32_t a[4];
-      Ldsm4(a, bk.Addr(kPsi, 16 * j, 16 * ks, bk.off_a));
-      float x[4][4];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) LoadB(D, p, 1, 16 * ks, n0 + 8 * nt + g, r, dv, tq, x[nt]);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        uint32_t bd[3][2];
-        SplitB(x[nt], bd);
-        Mma1x3(sh[nt], sl[nt], a, bd);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = 16 * j + g + 8 * (e >> 1);
-        const float side = sh[nt][e] + sl[nt][e];
-        hi[nt][e] = bk.wk()[row] * side;
-        lo[nt][e] = 0.f;
-      }
-  }
+    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
   for (int i = j; i < bk.nb; ++i) {
     float sc[2][4];
 #pragma unroll
@@ -493,6 +408,127 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
     }
   }
   StoreRows<4, kAssign>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v, hi, lo, v_bar);
+}
+
+// The side terms, by columns: warp w owns the 8 columns [8 w, 8 w + 8) of
+// each output for every token of the chunk, so it loads and splits one eighth
+// of S_in and D_bar (a warp that owned rows, as the causal sums do, would need
+// all of both: eight times the loads and splits, which were half the kernel's
+// instructions). Added to out after the causal sums:
+//   phi_bar_t += wq_t (sum_{k < dv} gbar_t[k] S[n][k] + gbar_t[dv] S[n][dv])
+//   psi_bar_s += w_s (sum_{k < dv} D[n][k] v_s[k] + D[n][dv])
+//   v_bar_s   += w_s sum_{k < r} psi_s[k] D[k][n]
+// kSide: which of the three. The B fragments of the warp's columns stay in
+// registers (3 parts x 4 k-steps); four 16-row blocks at a time, so that four
+// independent accumulator chains hide the MMA latency and the old values of
+// their rows load while the products run.
+enum class Side { kQuery, kKeyPsi, kKeyV };
+
+template <Side kSide>
+__device__ __forceinline__ void SideTerms(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int w, const float* __restrict__ M,
+                                          float* __restrict__ out) {
+  const int g = bk.g, tq = bk.tq;
+  constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
+  const int width = kKeyV ? bk.dv : bk.r;
+  const int n = 8 * w + 2 * tq;  // this thread's first output column
+  if (8 * w >= width) return;
+  // B(k, n) = M[n][k] (query, key psi: k < dv) or M[k][n] (key v: k < r).
+  const int ksteps = kKeyV ? bk.kr : bk.kd;
+  uint32_t bs[4][3][2];
+  {
+    float x[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (kKeyV) {
+        LoadB(M, bk.p, 1, 16 * ks, 8 * w + g, bk.r, bk.dv, tq, x[ks]);
+      } else {
+        LoadB(M, 1, bk.p, 16 * ks, 8 * w + g, bk.dv, bk.r, tq, x[ks]);
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) SplitB(x[ks], bs[ks]);
+  }
+  const bool pairs = kKeyV ? bk.pairs_v : bk.pairs_r;
+  const int a_tile = kQuery ? kG : kKeyV ? kPsi : kV;
+  const float* wrow = kQuery ? bk.wq() : bk.wk();
+  // The ones column: gbar[t][dv] S[n][dv] (query), D[n][dv] (key psi).
+  float extra[2];
+#pragma unroll
+  for (int e1 = 0; e1 < 2; ++e1) {
+    extra[e1] = kQuery ? bk.scol()[n + e1] : kKeyV ? 0.f : bk.dcol()[n + e1];
+  }
+  // Token m's row: o0 + m * stride (the rows of one (b, h) are H rows apart).
+  float* const o0 = out + TokenRow(d, b, c0, h) * width + n;
+  const int64_t stride = static_cast<int64_t>(d.H) * width;
+#pragma unroll 1
+  for (int i0 = 0; i0 < bk.nb; i0 += 4) {
+    // Old values first: [row block][half][column].
+    float old[4][2][2];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = 16 * (i0 + u) + g + 8 * hr;
+        const bool ok = m < bk.ce;
+        const float* o = o0 + (ok ? m : 0) * stride;
+        if (pairs) {
+          float2 x = make_float2(0.f, 0.f);
+          if (ok && n < width) x = *reinterpret_cast<const float2*>(o);
+          old[u][hr][0] = x.x;
+          old[u][hr][1] = x.y;
+        } else {
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) old[u][hr][e1] = ok && n + e1 < width ? o[e1] : 0.f;
+        }
+      }
+    float hi[4][4], lo[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) hi[u][e] = lo[u][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks >= ksteps) continue;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (i0 + u >= bk.nb) continue;
+        if (kQuery) {
+          uint32_t a[3][4];
+#pragma unroll
+          for (int q = 0; q < 3; ++q)
+            Ldsm4(a[q], bk.Addr(kG + q, 16 * (i0 + u), 16 * ks, bk.off_a));
+          Mma3x3(hi[u], lo[u], a, bs[ks]);
+        } else {
+          uint32_t a[4];
+          Ldsm4(a, bk.Addr(a_tile, 16 * (i0 + u), 16 * ks, bk.off_a));
+          Mma1x3(hi[u], lo[u], a, bs[ks]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = 16 * (i0 + u) + g + 8 * hr;
+        if (m >= bk.ce) continue;
+        float y[2];
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const float sum = hi[u][2 * hr + e1] + lo[u][2 * hr + e1];
+          const float side = kQuery ? fmaf(bk.gcol()[m], extra[e1], sum) : sum + extra[e1];
+          y[e1] = old[u][hr][e1] + wrow[m] * side;
+        }
+        float* o = o0 + m * stride;
+        if (pairs) {
+          if (n < width) *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
+        } else {
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1)
+            if (n + e1 < width) o[e1] = y[e1];
+        }
+      }
+  }
 }
 
 // dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
@@ -627,15 +663,20 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
   const int w = tid >> 5;
   if (w < bk.nb) {
-    QueryRows<kAssign>(bk, d, b, h, c0, w, Sk, phi_bar);
-    KeyRowsPsi<kAssign>(bk, d, b, h, c0, w, Dk, psi_bar);
+    QueryRows<kAssign>(bk, d, b, h, c0, w, phi_bar);
+    KeyRowsPsi<kAssign>(bk, d, b, h, c0, w, psi_bar);
   }
   // One call site for both v_bar halves keeps the kernel's code small.
 #pragma unroll 1
   for (int hf = 0; hf < 2; ++hf) {
     const int j = hf == 0 ? w : 7 - w;
-    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kAssign>(bk, d, b, h, c0, j, hf, Dk, v_bar);
+    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kAssign>(bk, d, b, h, c0, j, hf, v_bar);
   }
+  // The side terms add to rows that other warps' causal sums wrote.
+  __syncthreads();
+  SideTerms<Side::kQuery>(bk, d, b, h, c0, w, Sk, phi_bar);
+  SideTerms<Side::kKeyPsi>(bk, d, b, h, c0, w, Dk, psi_bar);
+  SideTerms<Side::kKeyV>(bk, d, b, h, c0, w, Dk, v_bar);
 }
 
 template <bool kGated, bool kAssign>
