@@ -50,15 +50,14 @@
 // same inputs give the same bits, within 1e-5 of the CPU phases
 // (tests/gpu/smat_gpu_test.cc).
 //
-// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 6.24 ms
-// writing its outputs (kAssign; 7.27 ms with the side terms by rows, 8.51 ms
-// adding to outputs read back), against 21.7 ms for the three FFMA tiles. Per
-// (chunk, b * H) the kernel issues 8832 MMAs (the splits make that about five
-// times the FLOPs of an exact product): about 190 TFLOP/s of mma.sync. The
-// kernel is instruction-fetch sensitive: at 174 KB of code (every loop
-// unrolled) it took 13.9 ms, at 84 KB 11.1 ms ungated and 8.5 gated, hence
-// the loops kept rolled below and one code path for gated and ungated inputs.
-// 128 registers (8 bytes spilled), 113,152 bytes of shared memory.
+// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.90 ms
+// ungated and 6.33 ms gated, writing its outputs (kAssign; ungated 7.27 ms
+// with the side terms by rows, 8.51 ms adding to outputs read back), against
+// 21.7 ms for the three FFMA tiles. Per (chunk, b * H) the kernel issues 8832
+// MMAs (the splits make that about five times the FLOPs of an exact product):
+// about 200 TFLOP/s of mma.sync. The kernel is instruction-fetch sensitive: at
+// 174 KB of code (every loop unrolled) it took 13.9 ms, hence the loops kept
+// rolled below. 128 registers (8 bytes spilled), 113,152 bytes of shared memory.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -114,8 +113,9 @@ struct Block {
   // Per-lane element offsets of the ldmatrix row addresses: A (rows m, k
   // contiguous), B from rows n with k contiguous, B from rows k (.trans).
   int off_a, off_bn, off_bt;
+  uint32_t base;  // shared-memory address of the tiles
   __device__ uint32_t Addr(int tile, int row, int col, int off) const {
-    return SmemAddr(SmemTiles()) + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
+    return base + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
   }
 };
 
@@ -204,7 +204,7 @@ __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d
 }
 
 // phi_bar rows t of block i += the causal sum (kAssign: =).
-template <bool kAssign>
+template <bool kGated, bool kAssign>
 __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
                                           int64_t c0, int i, float* __restrict__ phi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r;
@@ -244,7 +244,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
       for (int e = 0; e < 4; ++e) {
         const int s = 16 * j + 8 * nt + 2 * tq + (e & 1);
         float x = (sc[nt][e] + scl[nt][e]) + gc[e >> 1];
-        x *= expf(lt[e >> 1] - bk.lam()[s]);
+        if (kGated) x *= expf(lt[e >> 1] - bk.lam()[s]);
         sc[nt][e] = x;
       }
     if (j == i || 16 * i + 16 > bk.ce) {
@@ -272,7 +272,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
 }
 
 // psi_bar rows s of block j += the causal sum (kAssign: =).
-template <bool kAssign>
+template <bool kGated, bool kAssign>
 __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& d, int b, int h,
                                            int64_t c0, int j, float* __restrict__ psi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r;
@@ -314,7 +314,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
       for (int e = 0; e < 4; ++e) {
         const int t = 16 * i + 8 * nt + 2 * tq + (e & 1);
         float x = (sc[nt][e] + scl[nt][e]) + bk.gcol()[t];
-        x *= expf(bk.lam()[t] - ls[e >> 1]);
+        if (kGated) x *= expf(bk.lam()[t] - ls[e >> 1]);
         sc[nt][e] = x;
       }
     if (j == i || 16 * i + 16 > bk.ce) {
@@ -343,7 +343,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
 
 // v_bar rows s of block j, columns [32 hf, 32 hf + 32) += the causal sum
 // (kAssign: =).
-template <bool kAssign>
+template <bool kGated, bool kAssign>
 __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d, int b, int h,
                                          int64_t c0, int j, int hf, float* __restrict__ v_bar) {
   const int g = bk.g, tq = bk.tq, dv = bk.dv;
@@ -378,7 +378,7 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = 16 * i + 8 * nt + 2 * tq + (e & 1);
-          sc[nt][e] *= expf(bk.lam()[t] - ls[e >> 1]);
+          if (kGated) sc[nt][e] *= expf(bk.lam()[t] - ls[e >> 1]);
         }
     }
     if (j == i || 16 * i + 16 > bk.ce) {
@@ -624,10 +624,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (tid < kC) {
       gcol[tid] = tid < ce ? __ldg(&tg[tid * sg + dv]) : 0.f;
       // Ungated (kGated false: no lam) the weights below are exp(0) = 1
-      // exactly, so the products, which always apply them, give the bits of
-      // unweighted ones. One code path for both: the ungated instantiation
-      // of separate code measured slower than the gated one on an H200
-      // (11.1 against 8.5 ms at r = dv = 64, c = 128, T = 524288, 8 heads).
+      // exactly; the side terms apply them, the causal sums skip W.
       const float l = kGated && tid < ce ? __ldg(&lam[tok + static_cast<int64_t>(tid) * d.H]) : 0.f;
       lam_s[tid] = l;
       wq[tid] = expf(l);
@@ -652,6 +649,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   bk.kr = (r + 15) >> 4;
   bk.pairs_r = pairs_r;
   bk.pairs_v = pairs_v;
+  bk.base = SmemAddr(tiles);
   bk.lane = tid & 31;
   bk.g = bk.lane >> 2;
   bk.tq = bk.lane & 3;
@@ -663,14 +661,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
   const int w = tid >> 5;
   if (w < bk.nb) {
-    QueryRows<kAssign>(bk, d, b, h, c0, w, phi_bar);
-    KeyRowsPsi<kAssign>(bk, d, b, h, c0, w, psi_bar);
+    QueryRows<kGated, kAssign>(bk, d, b, h, c0, w, phi_bar);
+    KeyRowsPsi<kGated, kAssign>(bk, d, b, h, c0, w, psi_bar);
   }
   // One call site for both v_bar halves keeps the kernel's code small.
 #pragma unroll 1
   for (int hf = 0; hf < 2; ++hf) {
     const int j = hf == 0 ? w : 7 - w;
-    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kAssign>(bk, d, b, h, c0, j, hf, v_bar);
+    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kGated, kAssign>(bk, d, b, h, c0, j, hf, v_bar);
   }
   // The side terms add to rows that other warps' causal sums wrote.
   __syncthreads();
