@@ -260,6 +260,78 @@ __global__ void NormalizeBackwardKernel(SmatCudaDims d, const void* __restrict__
   }
 }
 
+// The same for dv <= kNormTileDv, dv even, d_o and o paired (4- or 8-byte
+// aligned): one block per kNormRows rows. d_o and o are read as pairs in row
+// order (all of a thread's loads issue before the first use), gbar is formed
+// in shared memory and leaves as whole 16-byte pieces of its contiguous tile
+// (rows of p = dv + 1 floats, which per-row stores write misaligned), and each
+// row's dot product is summed by one warp in a fixed order (pair products,
+// then lanes by xor steps).
+constexpr int kNormTileDv = 64;
+
+__device__ __forceinline__ float2 LoadPair(const void* p, int64_t pair, bool bf16) {
+  if (bf16) return __bfloat1622float2(static_cast<const __nv_bfloat162*>(p)[pair]);
+  return static_cast<const float2*>(p)[pair];
+}
+
+__global__ void __launch_bounds__(kThreads)
+    NormalizeBackwardTileKernel(SmatCudaDims d, int64_t rows_total, const void* __restrict__ d_o,
+                                bool do_bf16, const void* __restrict__ o, bool o_bf16,
+                                const float* __restrict__ den, float eps,
+                                float* __restrict__ gbar, float* __restrict__ dlam_row) {
+  __shared__ float4 tile4[(kNormRows * (kNormTileDv + 1) + 3) / 4];
+  __shared__ float prod[kNormRows][kNormTileDv / 2];
+  __shared__ float dns[kNormRows];
+  float* tile = reinterpret_cast<float*>(tile4);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kNormRows;
+  const int rows = static_cast<int>(cuda_detail::Min64(kNormRows, rows_total - row0));
+  const int dv = d.dv, p = d.p, half = dv / 2, pairs = rows * half;
+  const int tid = threadIdx.x;
+  if (tid < rows) dns[tid] = den[row0 + tid];
+  const int64_t pair0 = row0 * half;
+  constexpr int kPer = kNormRows * (kNormTileDv / 2) / kThreads;  // pairs per thread
+  float2 g[kPer], y[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int e = tid + u * kThreads;
+    const int64_t at = pair0 + (e < pairs ? e : 0);
+    g[u] = LoadPair(d_o, at, do_bf16);
+    y[u] = LoadPair(o, at, o_bf16);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int e = tid + u * kThreads;
+    if (e >= pairs) continue;
+    const int row = e / half, jp = e - row * half;
+    const float dn = dns[row];
+    tile[row * p + 2 * jp] = g[u].x / dn;
+    tile[row * p + 2 * jp + 1] = g[u].y / dn;
+    prod[row][jp] = fmaf(g[u].y, y[u].y, g[u].x * y[u].x);
+  }
+  __syncthreads();
+  const int lane = tid & 31;
+  for (int row = tid >> 5; row < rows; row += kThreads / 32) {
+    float dot = lane < half ? prod[row][lane] : 0.f;
+#pragma unroll
+    for (int sh = 16; sh > 0; sh >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, sh);
+    if (lane == 0) {
+      const float dn = dns[row];
+      tile[row * p + dv] = -dot / dn;
+      if (dlam_row != nullptr) dlam_row[row0 + row] = eps * dot / dn;
+    }
+  }
+  __syncthreads();
+  float* out = gbar + row0 * p;
+  const int n = rows * p;
+  if ((reinterpret_cast<uintptr_t>(out) & 15) == 0) {
+    for (int i = tid; i < n / 4; i += kThreads) reinterpret_cast<float4*>(out)[i] = tile4[i];
+    for (int i = (n / 4) * 4 + tid; i < n; i += kThreads) out[i] = tile[i];
+  } else {
+    for (int i = tid; i < n; i += kThreads) out[i] = tile[i];
+  }
+}
+
 // ---- B8 ---------------------------------------------------------------------------
 // dlam_t = dlam_row_t - psi_t . psi_bar_t, one warp per row.
 __global__ void GateRowGradKernel(SmatCudaDims d, const void* __restrict__ psi,
@@ -365,6 +437,16 @@ cudaError_t LaunchSmatNormalizeBackward(const SmatCudaDims& d, const void* d_o, 
                                         float* gbar, float* dlam_row, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
   if (rows == 0) return cudaSuccess;
+  auto aligned = [](const void* ptr, bool bf16) {
+    return (reinterpret_cast<uintptr_t>(ptr) & (bf16 ? 3 : 7)) == 0;
+  };
+  if (d.dv % 2 == 0 && d.dv <= kNormTileDv && aligned(d_o, do_bf16) && aligned(o, o_bf16)) {
+    // H200, T = 524288, 8 heads, dv = 64, fp32 d_o, bf16 o: see docs/PERFORMANCE.md.
+    const int64_t blocks = (rows + kNormRows - 1) / kNormRows;
+    NormalizeBackwardTileKernel<<<blocks, kThreads, 0, stream>>>(d, rows, d_o, do_bf16, o, o_bf16,
+                                                                 den, eps, gbar, dlam_row);
+    return cudaGetLastError();
+  }
   NormalizeBackwardKernel<<<GridFor(rows * 32, kThreads), kThreads, 0, stream>>>(
       d, d_o, do_bf16, o, o_bf16, den, eps, gbar, dlam_row);
   return cudaGetLastError();
