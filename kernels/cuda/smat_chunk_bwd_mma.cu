@@ -596,29 +596,32 @@ __global__ void __launch_bounds__(kThreads, 2)
   StageRows(psi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in, tiles + kPsi * kTile);
   StageRows(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce, vec_in, tiles + kV * kTile);
   {
-    // gbar[:, 0:dv] in three parts; gcol = gbar[:, dv]. All 32 loads of a
-    // thread issue before the first use (clamped indices, no branches).
+    // gbar[:, 0:dv] in three parts, a column pair (n, n + 1) per thread and
+    // step (Split3, one 4-byte store per part); gcol = gbar[:, dv]. All 32
+    // loads of a thread issue before the first use (clamped indices, no
+    // branches).
     const float* tg = gbar + tok * p;
     const int64_t sg = static_cast<int64_t>(d.H) * p;
-    constexpr int kBatch = 16;
-    for (int e0 = tid; e0 < kC * kW; e0 += kThreads * kBatch) {
-      float x[kBatch];
+    constexpr int kBatch = 8;  // pairs
+    for (int e0 = tid; e0 < kC * kW / 2; e0 += kThreads * kBatch) {
+      float x[kBatch][2];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        const float y = __ldg(&tg[min(t, ce - 1) * sg + min(n, dv - 1)]);
-        x[u] = t < ce && n < dv ? y : 0.f;
+        const int e = e0 + u * kThreads, t = e >> 5, n = 2 * (e & 31);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float y = __ldg(&tg[min(t, ce - 1) * sg + min(n + c, dv - 1)]);
+          x[u][c] = t < ce && n + c < dv ? y : 0.f;
+        }
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        const __nv_bfloat16 x1 = __float2bfloat16_rn(x[u]);
-        const float r1 = x[u] - __bfloat162float(x1);
-        const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
-        const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
-        tiles[(kG + 0) * kTile + t * kLd + n] = x1;
-        tiles[(kG + 1) * kTile + t * kLd + n] = x2;
-        tiles[(kG + 2) * kTile + t * kLd + n] = x3;
+        const int e = e0 + u * kThreads, t = e >> 5, n = 2 * (e & 31);
+        uint32_t part[3];
+        Split3(x[u][0], x[u][1], part[0], part[1], part[2]);
+#pragma unroll
+        for (int q = 0; q < 3; ++q)
+          *reinterpret_cast<uint32_t*>(&tiles[(kG + q) * kTile + t * kLd + n]) = part[q];
       }
     }
     if (tid < kC) {
