@@ -422,7 +422,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(CheckOut(logg_bar, {d.batch, d.L, d.H}, "logg_bar"));
     SMAT_RETURN_IF_ERROR(CheckOut(span_sum, {d.batch, d.H}, "span_sum"));
     Scratch scratch(s);
-    SMAT_ASSIGN_OR_RETURN(float* dlam, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.L * d.H));
+    SMAT_ASSIGN_OR_RETURN(float* dlam, scratch.Get<float>(SmatLogDecayBackwardScratch(d)));
     return CudaStatus(LaunchSmatLogDecayBackward(d, psi.raw(), F32(psi_bar), F32(dlam_row),
                                                  F32(suffix_in), dlam, F32(logg_bar),
                                                  F32(span_sum), s),

@@ -103,7 +103,10 @@ cudaError_t LaunchSmatNormalizeBackward(const SmatCudaDims& dims, const void* d_
                                         float* gbar, float* dlam_row, cudaStream_t stream);
 
 // B8: dLambda_t = dlam_row_t - psi_t . psi_bar_t into the scratch dlam
-// [batch, L, H], then logg_bar = suffix sums + suffix_in, span_sum.
+// [batch, L, H], then logg_bar = suffix sums + suffix_in, span_sum. dlam holds
+// SmatLogDecayBackwardScratch(dims) floats (the suffix sums' segment totals
+// after dLambda).
+int64_t SmatLogDecayBackwardScratch(const SmatCudaDims& dims);
 cudaError_t LaunchSmatLogDecayBackward(const SmatCudaDims& dims, const void* psi,
                                        const float* psi_bar, const float* dlam_row,
                                        const float* suffix_in, float* dlam, float* logg_bar,

@@ -2,7 +2,7 @@
 // (kernels/cpu/smat_cpu.h), phase by phase on identical inputs, and the whole
 // op (kernels/smat.h) against the CPU op and the double reference: outputs and
 // every gradient under random upstream gradients, at odd sizes (T = 1, 63, 127,
-// 1000, 1031; r = 60 or small; chunks 16..128; d = 1..3), gated and not,
+// 1000, 1031, 4700; r = 60 or small; chunks 16..128; d = 1..3), gated and not,
 // positional and content maps, whole spans and spans starting inside the
 // sequence, fp32 and bf16 inputs. SMAT_CUDA_CHUNK_TILES picks the chunk-tile
 // kernels checked where the fast sizes fit (c <= 128, r, dv <= 64: every case
@@ -137,6 +137,9 @@ std::vector<Case> Cases() {
   add(1, 1031, 2, 24, 40, 2, 64, false, true, 0.0, true, 0, 16);
   add(2, 700, 2, 56, 13, 3, 32, false, false, 1e-3, true, 32, 17);
   add(1, 1031, 2, 32, 24, 1, 16, false, false, 0.0, true, 0, 18);
+  // The gate gradient's suffix sums over several 2048-token segments (a
+  // span of 4636 tokens: three segments, the last one partial).
+  add(1, 4700, 2, 8, 5, 2, 64, true, false, 0.0, false, 64, 19);
   return cs;
 }
 
