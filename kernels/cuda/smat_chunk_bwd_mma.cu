@@ -50,8 +50,8 @@
 // same inputs give the same bits, within 1e-5 of the CPU phases
 // (tests/gpu/smat_gpu_test.cc).
 //
-// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.90 ms
-// ungated and 6.33 ms gated, writing its outputs (kAssign; ungated 7.27 ms
+// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.84 ms
+// ungated and 6.27 ms gated, writing its outputs (kAssign; ungated 7.27 ms
 // with the side terms by rows, 8.51 ms adding to outputs read back), against
 // 21.7 ms for the three FFMA tiles. Per (chunk, b * H) the kernel issues 8832
 // MMAs (the splits make that about five times the FLOPs of an exact product):
