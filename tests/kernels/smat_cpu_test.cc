@@ -11,6 +11,8 @@
 #include <memory>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "core/status.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/smat_reference.h"
@@ -56,6 +58,24 @@ SmatInputs MakeInputs(const SmatReferenceProblem& pr) {
   if (!pr.type.empty()) in.type = ToI32(pr.type, tok);
   in.eps = static_cast<float>(pr.eps);
   return in;
+}
+
+// The CPU backend and phases with a forward run on pr's inputs, for the tests
+// that drive single backward phases from it.
+struct CpuForward {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<SmatKernels> k;
+  SmatInputs in;
+  SmatForwardOutputs fwd;
+};
+
+absl::StatusOr<CpuForward> RunCpuForward(const SmatPlan& plan, const SmatReferenceProblem& pr) {
+  CpuForward run;
+  SMAT_ASSIGN_OR_RETURN(run.backend, CreateBackend(Device::Cpu()));
+  run.k = MakeCpuSmatKernels();
+  run.in = MakeInputs(pr);
+  SMAT_RETURN_IF_ERROR(SmatForward(*run.backend, *run.k, plan, run.in, &run.fwd));
+  return run;
 }
 
 OpRun RunOp(const SmatPlan& plan, const SmatReferenceProblem& pr, const std::vector<double>& d_o) {
@@ -260,12 +280,11 @@ TEST(SmatCpuTest, BackwardPhaseTablesMatchDirectSums) {
       }
     }
 
-    auto backend = CreateBackend(Device::Cpu());
-    ASSERT_TRUE(backend.ok());
-    std::unique_ptr<SmatKernels> k = MakeCpuSmatKernels();
-    const SmatInputs in = MakeInputs(pr);
-    SmatForwardOutputs fwd;
-    ASSERT_TRUE(SmatForward(**backend, *k, *plan, in, &fwd).ok());
+    absl::StatusOr<CpuForward> run = RunCpuForward(*plan, pr);
+    ASSERT_TRUE(run.ok()) << run.status();
+    SmatKernels* k = run->k.get();
+    const SmatInputs& in = run->in;
+    const SmatForwardOutputs& fwd = run->fwd;
     const SmatSpan span = SmatSpan::Whole(*plan);
     Tensor gbar = ToF32(std::vector<double>(T * p), {1, T, 1, p});
     Tensor row = ToF32(std::vector<double>(T), {1, T, 1});
@@ -300,12 +319,11 @@ TEST(SmatCpuTest, ChunkOutputsBackwardWritesOrAdds) {
   ASSERT_TRUE(plan.ok());
   SmatReferenceProblem pr = RandomProblem(*plan, s);
   RoundToF32(&pr);
-  auto backend = CreateBackend(Device::Cpu());
-  ASSERT_TRUE(backend.ok());
-  std::unique_ptr<SmatKernels> k = MakeCpuSmatKernels();
-  const SmatInputs in = MakeInputs(pr);
-  SmatForwardOutputs fwd;
-  ASSERT_TRUE(SmatForward(**backend, *k, *plan, in, &fwd).ok());
+  absl::StatusOr<CpuForward> fwd_run = RunCpuForward(*plan, pr);
+  ASSERT_TRUE(fwd_run.ok()) << fwd_run.status();
+  SmatKernels* k = fwd_run->k.get();
+  const SmatInputs& in = fwd_run->in;
+  const SmatForwardOutputs& fwd = fwd_run->fwd;
   const SmatSpan span = SmatSpan::Whole(*plan);
   const int64_t b = s.batch, T = s.T, H = s.H, r = s.r, dv = s.dv, p = dv + 1,
                 Lc = plan->num_chunks;
