@@ -1,5 +1,5 @@
 // CudaSmatKernels: the SmatKernels contract (kernels/smat_kernels.h) on one
-// GPU. This file validates tensors (InvalidArgument naming the tensor), works
+// GPU. This file validates tensors (with SmatCudaArgs, smat_cuda_args.h), works
 // out the span's geometry (distant / recent parts, token groups, segment
 // counts), keeps the incidence lists of Algorithm 2 on the device, and launches
 // the kernels of smat_scan.cu, smat_grouped.cu and smat_chunk.cu. Scratch memory
@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/smat_cuda_args.h"
 #include "kernels/cuda/smat_cuda_kernels.h"
 
 namespace smat {
@@ -67,7 +68,7 @@ float* F32(Tensor* t) { return t != nullptr ? static_cast<float*>(t->raw()) : nu
 class CudaSmatKernels final : public SmatKernels {
  public:
   CudaSmatKernels(int device, CudaStreamResolver stream_of)
-      : device_(device), stream_of_(std::move(stream_of)) {}
+      : device_(device), args_(device), stream_of_(std::move(stream_of)) {}
 
   ~CudaSmatKernels() override {
     for (auto& [key, lists] : incidence_) {
@@ -82,10 +83,10 @@ class CudaSmatKernels final : public SmatKernels {
   absl::Status ChunkLogDecay(const SmatPlan& plan, const SmatSpan& span, const Tensor& logg,
                              Tensor* lam, Tensor* chunk_decay, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, Dims(plan, span, logg, "logg", 0, 0, false));
-    SMAT_RETURN_IF_ERROR(CheckF32(logg, {d.batch, d.L, d.H}, "logg"));
-    SMAT_RETURN_IF_ERROR(CheckOut(lam, {d.batch, d.L, d.H}, "lam"));
-    SMAT_RETURN_IF_ERROR(CheckOut(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.Dims(plan, span, logg, "logg", 0, 0, false));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(logg, {d.batch, d.L, d.H}, "logg"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
     return CudaStatus(LaunchSmatChunkLogDecay(d, F32(logg), F32(lam), F32(chunk_decay), s),
                       "ChunkLogDecay kernel");
   }
@@ -94,9 +95,9 @@ class CudaSmatKernels final : public SmatKernels {
                               const Tensor& v, const Tensor& lam, const Tensor& chunk_decay,
                               Tensor* D, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
-    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
-    SMAT_RETURN_IF_ERROR(CheckOut(D, {d.batch, d.Lc, d.H, d.r, d.p}, "D"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(D, {d.batch, d.Lc, d.H, d.r, d.p}, "D"));
     SmatTokenGroups groups;
     groups.mode = SmatGroupMode::kChunks;
     groups.num_groups = d.Lc;
@@ -112,12 +113,14 @@ class CudaSmatKernels final : public SmatKernels {
                          const Tensor& chunk_decay, const Tensor& incoming, Tensor* S_in,
                          Tensor* span_state, Tensor* span_decay, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, StateDims(plan, span, D, "D"));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(incoming, {d.batch, 2, d.H, d.r, d.p}, "incoming"));
-    if (S_in != nullptr) SMAT_RETURN_IF_ERROR(CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
-    SMAT_RETURN_IF_ERROR(CheckOut(span_state, {d.batch, 2, d.H, d.r, d.p}, "span_state"));
-    SMAT_RETURN_IF_ERROR(CheckOut(span_decay, {d.batch, 2, d.H}, "span_decay"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.StateDims(plan, span, D, "D"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(incoming, {d.batch, 2, d.H, d.r, d.p}, "incoming"));
+    if (S_in != nullptr) {
+      SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    }
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(span_state, {d.batch, 2, d.H, d.r, d.p}, "span_state"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(span_decay, {d.batch, 2, d.H}, "span_decay"));
     return CudaStatus(LaunchSmatChunkScan(d, F32(D), F32(chunk_decay), F32(incoming), F32(S_in),
                                           F32(span_state), F32(span_decay), s),
                       "ChunkScan kernel");
@@ -127,11 +130,11 @@ class CudaSmatKernels final : public SmatKernels {
                               const Tensor& v, const Tensor& lam, const Tensor& chunk_decay,
                               const Tensor& prof, Tensor* F, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
-    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
-    SMAT_RETURN_IF_ERROR(CheckMap(d, prof, "prof"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckMap(d, prof, "prof"));
     const int64_t P = plan.geo.P;
-    SMAT_RETURN_IF_ERROR(CheckOut(F, {d.batch, d.H, P, d.r, d.p}, "F"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(F, {d.batch, d.H, P, d.r, d.p}, "F"));
     SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
     Scratch scratch(s);
     const int64_t end = span.distant_end(plan) - span.t0;  // local distant part [0, end)
@@ -152,10 +155,10 @@ class CudaSmatKernels final : public SmatKernels {
     const SmatGeometry& g = plan.geo;
     if (!F.defined() || F.rank() != 5 || F.dim(2) != g.P) {
       return absl::InvalidArgumentError(absl::StrCat("smat cuda: F must be [batch, H, P = ", g.P,
-                                                     ", r, p]; got ", Describe(F)));
+                                                     ", r, p]; got ", SmatCudaArgs::Describe(F)));
     }
-    SMAT_RETURN_IF_ERROR(CheckF32(F, F.shape(), "F"));
-    SMAT_RETURN_IF_ERROR(CheckOut(U, {F.dim(0), F.dim(1), g.B, F.dim(3), F.dim(4)}, "U"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(F, F.shape(), "F"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(U, {F.dim(0), F.dim(1), g.B, F.dim(3), F.dim(4)}, "U"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.B, "types (B)"));
     SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
     return CudaStatus(LaunchSmatTabulate(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.P, g.B,
@@ -168,11 +171,11 @@ class CudaSmatKernels final : public SmatKernels {
                             const Tensor& psi, const Tensor& v, const Tensor& lam,
                             const Tensor& S_in, Tensor* ybar, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
-    SMAT_RETURN_IF_ERROR(CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
-    SMAT_RETURN_IF_ERROR(CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
     SMAT_ASSIGN_OR_RETURN(int tile, ChunkTile(d, false));
     return CudaStatus(LaunchSmatChunkOutputs(d, tile, phi.raw(), psi.raw(), v.raw(), F32(lam),
                                              F32(S_in), F32(ybar), s),
@@ -184,11 +187,11 @@ class CudaSmatKernels final : public SmatKernels {
                          const Tensor& recent_offset, const Tensor& type, Tensor* ybar,
                          Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, TableDims(plan, span, phi, U, "U"));
-    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
-    SMAT_RETURN_IF_ERROR(CheckMap(d, type, "type"));
-    SMAT_RETURN_IF_ERROR(CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.TableDims(plan, span, phi, U, "U"));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
+    SMAT_RETURN_IF_ERROR(args_.CheckMap(d, type, "type"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
     // n = 0: there is no distant block, so no recent token reads U (the CPU
     // phases' convention; U is then the table of an empty F anyway).
     if (plan.n == 0) return absl::OkStatus();
@@ -210,10 +213,10 @@ class CudaSmatKernels final : public SmatKernels {
                          Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     if (!ybar.defined() || ybar.rank() != 4 || ybar.dim(3) < 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("smat cuda: ybar must be [batch, L, H, p >= 2]; got ", Describe(ybar)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "smat cuda: ybar must be [batch, L, H, p >= 2]; got ", SmatCudaArgs::Describe(ybar)));
     }
-    SMAT_RETURN_IF_ERROR(CheckF32(ybar, ybar.shape(), "ybar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(ybar, ybar.shape(), "ybar"));
     SmatCudaDims d;
     d.batch = ybar.dim(0);
     d.L = ybar.dim(1);
@@ -225,7 +228,7 @@ class CudaSmatKernels final : public SmatKernels {
       return absl::InvalidArgumentError("smat cuda: o must be an fp32 or bf16 tensor on the GPU");
     }
     SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
-    SMAT_RETURN_IF_ERROR(CheckOut(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(den, {d.batch, d.L, d.H}, "den"));
     return CudaStatus(LaunchSmatNormalize(d, F32(ybar), eps, o->raw(),
                                           o->dtype() == DType::kBF16, F32(den), s),
                       "Normalize kernel");
@@ -237,7 +240,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     if (!o.defined() || o.rank() != 4) {
       return absl::InvalidArgumentError(
-          absl::StrCat("smat cuda: o must be [batch, L, H, dv]; got ", Describe(o)));
+          absl::StrCat("smat cuda: o must be [batch, L, H, dv]; got ", SmatCudaArgs::Describe(o)));
     }
     SmatCudaDims d;
     d.batch = o.dim(0);
@@ -245,11 +248,13 @@ class CudaSmatKernels final : public SmatKernels {
     d.H = o.dim(2);
     d.dv = o.dim(3);
     d.p = d.dv + 1;
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, o, "o", d.dv));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, d_o, "d_o", d.dv));
-    SMAT_RETURN_IF_ERROR(CheckF32(den, {d.batch, d.L, d.H}, "den"));
-    SMAT_RETURN_IF_ERROR(CheckOut(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
-    if (dlam_row != nullptr) SMAT_RETURN_IF_ERROR(CheckOut(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, o, "o", d.dv));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, d_o, "d_o", d.dv));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    if (dlam_row != nullptr) {
+      SMAT_RETURN_IF_ERROR(args_.CheckOut(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
+    }
     return CudaStatus(
         LaunchSmatNormalizeBackward(d, d_o.raw(), d_o.dtype() == DType::kBF16, o.raw(),
                                     o.dtype() == DType::kBF16, F32(den), eps, F32(gbar),
@@ -263,14 +268,14 @@ class CudaSmatKernels final : public SmatKernels {
                                  const Tensor& type, Tensor* phi_bar, Tensor* U_bar,
                                  Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, TableDims(plan, span, phi, U, "U"));
-    SMAT_RETURN_IF_ERROR(CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
-    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
-    SMAT_RETURN_IF_ERROR(CheckMap(d, type, "type"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.TableDims(plan, span, phi, U, "U"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
+    SMAT_RETURN_IF_ERROR(args_.CheckMap(d, type, "type"));
     const int64_t B = plan.geo.B;
-    SMAT_RETURN_IF_ERROR(CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(U_bar, {d.batch, d.H, B, d.r, d.p}, "U_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(U_bar, {d.batch, d.H, B, d.r, d.p}, "U_bar"));
     if (plan.n == 0) {
       // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
       return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
@@ -298,12 +303,13 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     const SmatGeometry& g = plan.geo;
     if (!U_bar.defined() || U_bar.rank() != 5 || U_bar.dim(2) != g.B) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "smat cuda: U_bar must be [batch, H, B = ", g.B, ", r, p]; got ", Describe(U_bar)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("smat cuda: U_bar must be [batch, H, B = ", g.B, ", r, p]; got ",
+                       SmatCudaArgs::Describe(U_bar)));
     }
-    SMAT_RETURN_IF_ERROR(CheckF32(U_bar, U_bar.shape(), "U_bar"));
-    SMAT_RETURN_IF_ERROR(
-        CheckOut(F_bar, {U_bar.dim(0), U_bar.dim(1), g.P, U_bar.dim(3), U_bar.dim(4)}, "F_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(U_bar, U_bar.shape(), "U_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(
+        F_bar, {U_bar.dim(0), U_bar.dim(1), g.P, U_bar.dim(3), U_bar.dim(4)}, "F_bar"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.P, "profiles (P)"));
     SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
     return CudaStatus(LaunchSmatTabulate(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4),
@@ -318,15 +324,15 @@ class CudaSmatKernels final : public SmatKernels {
                                       const Tensor& prof, const Tensor& F_bar, Tensor* psi_bar,
                                       Tensor* v_bar, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
-    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
     SMAT_RETURN_IF_ERROR(
-        CheckOptionalF32(distant_tail_decay, {d.batch, d.H}, "distant_tail_decay"));
-    SMAT_RETURN_IF_ERROR(CheckMap(d, prof, "prof"));
+        args_.CheckOptionalF32(distant_tail_decay, {d.batch, d.H}, "distant_tail_decay"));
+    SMAT_RETURN_IF_ERROR(args_.CheckMap(d, prof, "prof"));
     const int64_t P = plan.geo.P;
-    SMAT_RETURN_IF_ERROR(CheckF32(F_bar, {d.batch, d.H, P, d.r, d.p}, "F_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(F_bar, {d.batch, d.H, P, d.r, d.p}, "F_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
     const int64_t end = span.distant_end(plan) - span.t0;
     if (end <= 0) return absl::OkStatus();
     SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
@@ -348,12 +354,13 @@ class CudaSmatKernels final : public SmatKernels {
                                    const Tensor& gbar, const Tensor& lam, Tensor* S_in_bar,
                                    Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, Dims(plan, span, phi, "phi", phi.rank() == 4 ? phi.dim(3) : 0,
-                                               gbar.rank() == 4 ? gbar.dim(3) - 1 : 0, true));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
-    SMAT_RETURN_IF_ERROR(CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
-    SMAT_RETURN_IF_ERROR(CheckOut(S_in_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in_bar"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
+                          args_.Dims(plan, span, phi, "phi", phi.rank() == 4 ? phi.dim(3) : 0,
+                                     gbar.rank() == 4 ? gbar.dim(3) - 1 : 0, true));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in_bar"));
     SmatTokenGroups groups;
     groups.mode = SmatGroupMode::kChunks;
     groups.num_groups = d.Lc;
@@ -370,12 +377,13 @@ class CudaSmatKernels final : public SmatKernels {
                                  const Tensor& incoming_grad, Tensor* D_bar,
                                  Tensor* span_state_grad, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, StateDims(plan, span, S_in_bar, "S_in_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.StateDims(plan, span, S_in_bar, "S_in_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay"));
     SMAT_RETURN_IF_ERROR(
-        CheckOptionalF32(incoming_grad, {d.batch, 2, d.H, d.r, d.p}, "incoming_grad"));
-    SMAT_RETURN_IF_ERROR(CheckOut(D_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "D_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(span_state_grad, {d.batch, 2, d.H, d.r, d.p}, "span_state_grad"));
+        args_.CheckOptionalF32(incoming_grad, {d.batch, 2, d.H, d.r, d.p}, "incoming_grad"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(D_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "D_bar"));
+    SMAT_RETURN_IF_ERROR(
+        args_.CheckOut(span_state_grad, {d.batch, 2, d.H, d.r, d.p}, "span_state_grad"));
     return CudaStatus(LaunchSmatChunkScanBackward(d, F32(S_in_bar), F32(chunk_decay),
                                                   F32(incoming_grad), F32(D_bar),
                                                   F32(span_state_grad), s),
@@ -389,15 +397,15 @@ class CudaSmatKernels final : public SmatKernels {
                                     Tensor* psi_bar, Tensor* v_bar, SmatGradWrite write,
                                     Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
-    SMAT_RETURN_IF_ERROR(CheckGates(d, lam, chunk_decay));
-    SMAT_RETURN_IF_ERROR(CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
-    SMAT_RETURN_IF_ERROR(CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
-    SMAT_RETURN_IF_ERROR(CheckF32(D_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "D_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(D_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "D_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
     SMAT_ASSIGN_OR_RETURN(int qtile, ChunkTile(d, false));
     SMAT_ASSIGN_OR_RETURN(int ktile, ChunkTile(d, true));
     return CudaStatus(LaunchSmatChunkOutputsBackward(d, qtile, ktile, phi.raw(), psi.raw(), v.raw(),
@@ -413,14 +421,14 @@ class CudaSmatKernels final : public SmatKernels {
                                 const Tensor& suffix_in, Tensor* logg_bar, Tensor* span_sum,
                                 Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
-                          Dims(plan, span, psi, "psi", psi.rank() == 4 ? psi.dim(3) : 0, 0, true));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, psi, "psi", d.r));
-    SMAT_RETURN_IF_ERROR(CheckF32(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
-    SMAT_RETURN_IF_ERROR(CheckF32(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(suffix_in, {d.batch, d.H}, "suffix_in"));
-    SMAT_RETURN_IF_ERROR(CheckOut(logg_bar, {d.batch, d.L, d.H}, "logg_bar"));
-    SMAT_RETURN_IF_ERROR(CheckOut(span_sum, {d.batch, d.H}, "span_sum"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.Dims(plan, span, psi, "psi",
+                                                     psi.rank() == 4 ? psi.dim(3) : 0, 0, true));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, psi, "psi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(suffix_in, {d.batch, d.H}, "suffix_in"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(logg_bar, {d.batch, d.L, d.H}, "logg_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(span_sum, {d.batch, d.H}, "span_sum"));
     Scratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* dlam, scratch.Get<float>(SmatLogDecayBackwardScratch(d)));
     return CudaStatus(LaunchSmatLogDecayBackward(d, psi.raw(), F32(psi_bar), F32(dlam_row),
@@ -436,61 +444,6 @@ class CudaSmatKernels final : public SmatKernels {
     return stream_of_(stream);
   }
 
-  static std::string Describe(const Tensor& t) {
-    return t.defined() ? t.DebugString() : std::string("nothing");
-  }
-
-  absl::Status OnDevice(const Tensor& t, const char* name) const {
-    if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat("smat cuda: ", name, " is missing"));
-    if (!(t.device() == Device::Cuda(device_))) {
-      return absl::InvalidArgumentError(absl::StrCat("smat cuda: ", name, " is on ",
-                                                     t.device().ToString(), ", expected cuda:",
-                                                     device_, "; copy it to the GPU first"));
-    }
-    return absl::OkStatus();
-  }
-  absl::Status CheckF32(const Tensor& t, const Shape& shape, const char* name) const {
-    SMAT_RETURN_IF_ERROR(OnDevice(t, name));
-    if (t.dtype() != DType::kF32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("smat cuda: ", name, " must be fp32; got ", t.DebugString()));
-    }
-    return CheckShape(t, shape, name);
-  }
-  absl::Status CheckOptionalF32(const Tensor& t, const Shape& shape, const char* name) const {
-    return t.defined() ? CheckF32(t, shape, name) : absl::OkStatus();
-  }
-  absl::Status CheckOut(const Tensor* t, const Shape& shape, const char* name) const {
-    if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("smat cuda: output ", name, " is null"));
-    return CheckF32(*t, shape, name);
-  }
-  // phi / psi / v / o / d_o: fp32 or bf16 [batch, L, H, width]; phi, psi, v share d.bf16.
-  absl::Status CheckFeatures(const SmatCudaDims& d, const Tensor& t, const char* name,
-                             int64_t width) const {
-    SMAT_RETURN_IF_ERROR(OnDevice(t, name));
-    if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("smat cuda: ", name, " must be fp32 or bf16; got ", t.DebugString()));
-    }
-    return CheckShape(t, {d.batch, d.L, d.H, width}, name);
-  }
-  absl::Status CheckGates(const SmatCudaDims& d, const Tensor& lam, const Tensor& chunk_decay) const {
-    if (lam.defined() != chunk_decay.defined()) {
-      return absl::InvalidArgumentError(
-          "smat cuda: lam and chunk_decay must both be given (gated) or both be undefined");
-    }
-    SMAT_RETURN_IF_ERROR(CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
-    return CheckOptionalF32(chunk_decay, {d.batch, d.Lc, d.H}, "chunk_decay");
-  }
-  absl::Status CheckMap(const SmatCudaDims& d, const Tensor& map, const char* name) const {
-    if (!map.defined()) return absl::OkStatus();
-    SMAT_RETURN_IF_ERROR(OnDevice(map, name));
-    if (map.dtype() != DType::kI32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("smat cuda: ", name, " must be int32; got ", map.DebugString()));
-    }
-    return CheckShape(map, {d.batch, d.L, d.H}, name);
-  }
   static absl::Status CheckGroups(int64_t groups, const char* what) {
     if (groups > kMaxGridY) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -498,84 +451,6 @@ class CudaSmatKernels final : public SmatKernels {
           " groups one launch handles; use a larger chunk or a smaller d / q"));
     }
     return absl::OkStatus();
-  }
-
-  // Span sizes from a token tensor [batch, L, H, ...].
-  absl::StatusOr<SmatCudaDims> Dims(const SmatPlan& plan, const SmatSpan& span, const Tensor& t,
-                                    const char* name, int64_t r, int64_t dv, bool features) const {
-    SMAT_RETURN_IF_ERROR(ValidateSmatSpan(plan, span));
-    if (!t.defined() || t.rank() < 3 || t.dim(1) != span.length()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "smat cuda: ", name, " must be [batch, L = ", span.length(), ", H, ...] for span [",
-          span.t0, ", ", span.t1, "); got ", Describe(t)));
-    }
-    SmatCudaDims d;
-    d.batch = t.dim(0);
-    d.L = span.length();
-    d.Lc = span.num_chunks(plan);
-    d.H = t.dim(2);
-    d.r = r;
-    d.dv = dv;
-    d.p = dv + 1;
-    d.chunk = plan.chunk;
-    d.t0 = span.t0;
-    d.n = plan.n;
-    d.bf16 = features && t.dtype() == DType::kBF16;
-    return d;
-  }
-  absl::StatusOr<SmatCudaDims> FeatureDims(const SmatPlan& plan, const SmatSpan& span,
-                                           const Tensor& psi, const Tensor& v) const {
-    if (!psi.defined() || psi.rank() != 4 || !v.defined() || v.rank() != 4) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "smat cuda: psi and v must be [batch, L, H, r] and [batch, L, H, dv]; got ",
-          Describe(psi), " and ", Describe(v)));
-    }
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, Dims(plan, span, psi, "psi", psi.dim(3), v.dim(3), true));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, psi, "psi", d.r));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, v, "v", d.dv));
-    if (v.dtype() != psi.dtype()) {
-      return absl::InvalidArgumentError(absl::StrCat("smat cuda: phi, psi and v must share a dtype; got psi ",
-                                                     psi.DebugString(), ", v ", v.DebugString()));
-    }
-    return d;
-  }
-  // From phi [batch, L, H, r] and a table [batch, H, G, r, p].
-  absl::StatusOr<SmatCudaDims> TableDims(const SmatPlan& plan, const SmatSpan& span,
-                                         const Tensor& phi, const Tensor& table,
-                                         const char* name) const {
-    if (!phi.defined() || phi.rank() != 4 || !table.defined() || table.rank() != 5) {
-      return absl::InvalidArgumentError(absl::StrCat("smat cuda: phi must be [batch, L, H, r] and ",
-                                                     name, " [batch, H, G, r, p]; got ",
-                                                     Describe(phi), " and ", Describe(table)));
-    }
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
-                          Dims(plan, span, phi, "phi", phi.dim(3), table.dim(4) - 1, true));
-    SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
-    SMAT_RETURN_IF_ERROR(CheckF32(table, {d.batch, d.H, plan.geo.B, d.r, d.p}, name));
-    return d;
-  }
-  // From a chunk-state tensor [batch, Lc, H, r, p].
-  absl::StatusOr<SmatCudaDims> StateDims(const SmatPlan& plan, const SmatSpan& span,
-                                         const Tensor& t, const char* name) const {
-    SMAT_RETURN_IF_ERROR(ValidateSmatSpan(plan, span));
-    if (!t.defined() || t.rank() != 5 || t.dim(1) != span.num_chunks(plan)) {
-      return absl::InvalidArgumentError(absl::StrCat("smat cuda: ", name, " must be [batch, Lc = ",
-                                                     span.num_chunks(plan), ", H, r, p]; got ",
-                                                     Describe(t)));
-    }
-    SmatCudaDims d;
-    d.batch = t.dim(0);
-    d.L = span.length();
-    d.Lc = t.dim(1);
-    d.H = t.dim(2);
-    d.r = t.dim(3);
-    d.p = t.dim(4);
-    d.dv = d.p - 1;
-    d.chunk = plan.chunk;
-    d.t0 = span.t0;
-    d.n = plan.n;
-    SMAT_RETURN_IF_ERROR(CheckF32(t, t.shape(), name));
-    return d;
   }
 
   absl::StatusOr<int> ChunkTile(const SmatCudaDims& d, bool keys) const {
@@ -723,6 +598,7 @@ class CudaSmatKernels final : public SmatKernels {
   }
 
   const int device_;
+  const SmatCudaArgs args_;
   CudaStreamResolver stream_of_;
   std::mutex mu_;  // guards incidence_
   std::map<std::pair<int, int64_t>, IncidenceLists> incidence_;
