@@ -119,28 +119,6 @@ struct Block {
   }
 };
 
-// The fp32 elements of an 8-column n-tile's B fragment, element (k, n) =
-// M[k * sk + n * sn] for k < kmax, n < nmax (0 elsewhere); k0 the tile's first
-// k, n the lane's column. Loads use clamped indices and are unconditional, so
-// a caller's loads for several n-tiles issue together (no branch per element);
-// the select zeroes what lies outside.
-__device__ __forceinline__ void LoadB(const float* M, int sk, int sn, int k0, int n, int kmax,
-                                      int nmax, int tq, float (&x)[4]) {
-  const int nc = min(n, nmax - 1);
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    const int k = k0 + 2 * tq + (u & 1) + 8 * (u >> 1);
-    const float y = __ldg(&M[min(k, kmax - 1) * sk + nc * sn]);
-    x[u] = k < kmax && n < nmax ? y : 0.f;
-  }
-}
-
-// Their three bf16 parts, b[part][register].
-__device__ __forceinline__ void SplitB(const float (&x)[4], uint32_t (&b)[3][2]) {
-  Split3(x[0], x[1], b[0][0], b[1][0], b[2][0]);
-  Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
-}
-
 // out rows m0 + (16 rows), columns n0 + (8 kNt) += hi + lo (kAssign: =), for
 // rows < ce and columns < width. Every old value the thread adds to is loaded
 // before the first store of its row (two memory latencies per job, not one per
@@ -531,39 +509,6 @@ __device__ __forceinline__ void SideTerms(const Block& bk, const SmatCudaDims& d
   }
 }
 
-// dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
-// t < kC, n < kW. vec: width % 8 == 0 and rows 16-byte aligned (cp.async).
-__device__ __forceinline__ void StageRows(const __nv_bfloat16* src, int64_t stride, int width,
-                                          int ce, bool vec, __nv_bfloat16* dst) {
-  if (vec) {
-    for (int e = threadIdx.x; e < kC * (kW / 8); e += kThreads) {
-      const int t = e >> 3, q = e & 7;
-      __nv_bfloat16* to = dst + t * kLd + 8 * q;
-      if (t < ce && 8 * q < width) {
-        CpAsync16(SmemAddr(to), src + t * stride + 8 * q);
-      } else {
-        *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-  } else {
-    constexpr int kBatch = 8;
-    for (int e0 = threadIdx.x; e0 < kC * kW; e0 += kThreads * kBatch) {
-      __nv_bfloat16 x[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        const __nv_bfloat16 y = src[min(t, ce - 1) * stride + min(n, width - 1)];
-        x[u] = t < ce && n < width ? y : __float2bfloat16_rn(0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        dst[t * kLd + n] = x[u];
-      }
-    }
-  }
-}
-
 // grid (Lc, batch * H), kThreads threads, kSmemBytes of shared memory.
 // kAssign: the outputs are written, not added to (SmatGradWrite::kAssign).
 template <bool kGated, bool kAssign>
@@ -592,9 +537,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // ---- staging ----
   const int64_t tok = TokenRow(d, b, c0, h);
-  StageRows(phi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in, tiles + kPhi * kTile);
-  StageRows(psi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in, tiles + kPsi * kTile);
-  StageRows(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce, vec_in, tiles + kV * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, static_cast<int64_t>(d.H) * r, r, ce,
+                                       vec_in, tiles + kPhi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, static_cast<int64_t>(d.H) * r, r, ce,
+                                       vec_in, tiles + kPsi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce,
+                                       vec_in, tiles + kV * kTile);
   {
     // gbar[:, 0:dv] in three parts, a column pair (n, n + 1) per thread and
     // step (Split3, one 4-byte store per part); gcol = gbar[:, dv]. All 32

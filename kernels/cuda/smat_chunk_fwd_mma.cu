@@ -70,40 +70,6 @@ struct Block {
   }
 };
 
-// dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
-// t < kC, n < kW (columns kW..kLd-1 are left alone). vec: width % 8 == 0 and
-// rows 16-byte aligned (cp.async).
-__device__ __forceinline__ void StageRows(const __nv_bfloat16* src, int64_t stride, int width,
-                                          int ce, bool vec, __nv_bfloat16* dst) {
-  if (vec) {
-    for (int e = threadIdx.x; e < kC * (kW / 8); e += kThreads) {
-      const int t = e >> 3, q = e & 7;
-      __nv_bfloat16* to = dst + t * kLd + 8 * q;
-      if (t < ce && 8 * q < width) {
-        CpAsync16(SmemAddr(to), src + t * stride + 8 * q);
-      } else {
-        *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-  } else {
-    constexpr int kBatch = 8;
-    for (int e0 = threadIdx.x; e0 < kC * kW; e0 += kThreads * kBatch) {
-      __nv_bfloat16 x[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        const __nv_bfloat16 y = src[min(t, ce - 1) * stride + min(n, width - 1)];
-        x[u] = t < ce && n < width ? y : __float2bfloat16_rn(0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e >> 6, n = e & (kW - 1);
-        dst[t * kLd + n] = x[u];
-      }
-    }
-  }
-}
-
 // Output rows of query block i, n-tiles kN0 .. kN0 + kNt - 1 (8 columns each).
 template <bool kGated, int kN0, int kNt>
 __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
@@ -234,9 +200,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
 
   // ---- staging ----
-  StageRows(phi + tok * r, stride_r, r, ce, vec_in, base + kPhi * kTile);
-  StageRows(psi + tok * r, stride_r, r, ce, vec_in, base + kPsi * kTile);
-  StageRows(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, stride_r, r, ce, vec_in,
+                                       base + kPhi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, stride_r, r, ce, vec_in,
+                                       base + kPsi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in,
+                                       base + kV * kTile);
   {
     // S_in[k] in three bf16 planes [kW][kLd]; zero outside r x p. All loads of
     // a thread issue before the first use (clamped indices, no branches).

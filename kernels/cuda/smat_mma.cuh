@@ -1,11 +1,11 @@
 // Pieces of the SMat tensor-core kernels (smat_chunk_bwd_mma.cu,
 // smat_chunk_fwd_mma.cu, smat_grouped_mma.cu): shared-memory addresses,
-// 16-byte cp.async, ldmatrix, the m16n8k16 bf16 mma with fp32 accumulation,
-// and the split of fp32 values into three bf16 parts x = x1 + x2 + x3
-// (24 significant bits: exact for normal fp32) with the products of the
-// exactness scheme (smat_chunk_mma.cu): one exact operand 3 MMAs, two split
-// operands the 6 terms down to 2^-16 relative, the correction terms summed
-// smallest first in an accumulator (lo) of their own.
+// 16-byte cp.async, the staging of bf16 token rows, ldmatrix, the m16n8k16
+// bf16 mma with fp32 accumulation, and the split of fp32 values into three
+// bf16 parts x = x1 + x2 + x3 (24 significant bits: exact for normal fp32)
+// with the products of the exactness scheme (smat_chunk_mma.cu): one exact
+// operand 3 MMAs, two split operands the 6 terms down to 2^-16 relative, the
+// correction terms summed smallest first in an accumulator (lo) of their own.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +38,47 @@ __device__ __forceinline__ void Ldsm4T(uint32_t (&x)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
                : "r"(addr));
+}
+
+// A chunk's bf16 token rows into shared memory with a row pitch of kLd:
+// dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
+// t < kRows, n < kWidth (columns kWidth..kLd-1 are left alone), by kThreads
+// threads. vec: width % 8 == 0 and rows 16-byte aligned (cp.async, 16 bytes at
+// a time); otherwise clamped element loads, kBatch in flight per thread.
+template <int kRows, int kWidth, int kLd, int kThreads>
+__device__ __forceinline__ void StageBf16Rows(const __nv_bfloat16* src, int64_t stride, int width,
+                                              int ce, bool vec, __nv_bfloat16* dst) {
+  static_assert(kWidth >= 8 && (kWidth & (kWidth - 1)) == 0 && kLd >= kWidth,
+                "rows are staged 8 bf16 at a time, a power of two per row");
+  constexpr int kPieces = kWidth / 8;
+  constexpr int kWidthLog2 = __builtin_ctz(kWidth), kPiecesLog2 = kWidthLog2 - 3;
+  if (vec) {
+    for (int e = threadIdx.x; e < kRows * kPieces; e += kThreads) {
+      const int t = e >> kPiecesLog2, q = e & (kPieces - 1);
+      __nv_bfloat16* to = dst + t * kLd + 8 * q;
+      if (t < ce && 8 * q < width) {
+        CpAsync16(SmemAddr(to), src + t * stride + 8 * q);
+      } else {
+        *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  } else {
+    constexpr int kBatch = 8;
+    for (int e0 = threadIdx.x; e0 < kRows * kWidth; e0 += kThreads * kBatch) {
+      __nv_bfloat16 x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> kWidthLog2, n = e & (kWidth - 1);
+        const __nv_bfloat16 y = src[min(t, ce - 1) * stride + min(n, width - 1)];
+        x[u] = t < ce && n < width ? y : __float2bfloat16_rn(0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kThreads, t = e >> kWidthLog2, n = e & (kWidth - 1);
+        dst[t * kLd + n] = x[u];
+      }
+    }
+  }
 }
 
 // c += a b for one m16n8k16 tile.
@@ -78,6 +119,28 @@ __device__ __forceinline__ void SplitTile(const float (&x)[2][4], uint32_t (&a)[
     for (int hr = 0; hr < 2; ++hr)
       Split3(x[nt][2 * hr], x[nt][2 * hr + 1], a[0][2 * nt + hr], a[1][2 * nt + hr],
              a[2][2 * nt + hr]);
+}
+
+// The fp32 elements of an 8-column n-tile's m16n8k16 B fragment from global
+// memory, element (k, n) = M[k * sk + n * sn] for k < kmax, n < nmax (0
+// elsewhere); k0 the tile's first k, n the lane's column. Loads use clamped
+// indices and are unconditional, so a caller's loads for several n-tiles issue
+// together (no branch per element); the select zeroes what lies outside.
+__device__ __forceinline__ void LoadB(const float* M, int sk, int sn, int k0, int n, int kmax,
+                                      int nmax, int tq, float (&x)[4]) {
+  const int nc = min(n, nmax - 1);
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int k = k0 + 2 * tq + (u & 1) + 8 * (u >> 1);
+    const float y = __ldg(&M[min(k, kmax - 1) * sk + nc * sn]);
+    x[u] = k < kmax && n < nmax ? y : 0.f;
+  }
+}
+
+// Their three bf16 parts, b[part][register] (for Mma1x3, Mma3x3).
+__device__ __forceinline__ void SplitB(const float (&x)[4], uint32_t (&b)[3][2]) {
+  Split3(x[0], x[1], b[0][0], b[1][0], b[2][0]);
+  Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
 }
 
 // c (hi, lo) += A B with A exact (1 part) and B in 3 parts (b[part][reg]).
