@@ -56,6 +56,7 @@ struct TokenTile {
   int64_t stride;
   int width;
   __device__ const T* Row(int t) const { return base + t * stride; }
+  __device__ const T* At(int t, int j) const { return &base[t * stride + j]; }
 };
 
 // Rows of a token list: element (t, j) at src[rows[t] * width + j].
@@ -66,6 +67,7 @@ struct ListedRows {
   const int64_t* rows;  // shared memory
   int width;
   __device__ const T* Row(int t) const { return src + rows[t] * width; }
+  __device__ const T* At(int t, int j) const { return &src[rows[t] * width + j]; }
 };
 
 template <typename T>
@@ -80,11 +82,12 @@ __device__ __forceinline__ TokenTile<T> Tile(const SmatCudaDims& d, const T* src
 constexpr int kBatch = 8;
 
 // dst[i][t] (ld kC) = src[t][i] for i < width, 1 in row `width` when
-// K1 > width (the ones of vbar), 0 for t >= ce. Threads walk t fastest, so the
-// shared-memory stores of a warp hit 32 different banks.
-template <typename T>
-__device__ void StageTransposed(const TokenTile<T>& src, int ce, int K1, bool vec, float* dst) {
-  constexpr int V = 16 / sizeof(T);
+// K1 > width (the ones of vbar), 0 for t >= ce; src a TokenTile (chunk tiles)
+// or ListedRows (grouped products, ce = the tokens listed). Threads walk t
+// fastest, so the shared-memory stores of a warp hit 32 different banks.
+template <class Src>
+__device__ void StageTransposed(const Src& src, int ce, int K1, bool vec, float* dst) {
+  constexpr int V = 16 / sizeof(typename Src::Elem);
   if (vec) {
     const int total = kC * (src.width / V);
     for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * 4) {
@@ -93,7 +96,7 @@ __device__ void StageTransposed(const TokenTile<T>& src, int ce, int K1, bool ve
       for (int u = 0; u < 4; ++u) {
         const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
         if (e < total && t < ce) {
-          LoadVec(src.base + t * src.stride + q * V, x[u]);
+          LoadVec(src.At(t, q * V), x[u]);
         } else {
 #pragma unroll
           for (int z = 0; z < V; ++z) x[u][z] = 0.f;
@@ -115,7 +118,7 @@ __device__ void StageTransposed(const TokenTile<T>& src, int ce, int K1, bool ve
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int e = e0 + u * kThreads, t = e & (kC - 1), i = e >> 7;
-        x[u] = e < total && t < ce ? ToF(__ldg(&src.base[t * src.stride + i])) : 0.f;
+        x[u] = e < total && t < ce ? ToF(__ldg(src.At(t, i))) : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {

@@ -127,55 +127,6 @@ struct ReadsSmem {
                 "16-byte aligned tiles, 8-byte aligned rows");
 };
 
-template <typename T>
-__device__ void StageTransposedRows(const T* src, int width, const int64_t* rows, int nt, int K1,
-                                    bool vec, float* dst) {
-  constexpr int V = 16 / sizeof(T);
-  if (vec) {
-    const int total = kC * (width / V);
-    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * 4) {
-      float x[4][V];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
-        if (e < total && t < nt) {
-          LoadVec(src + rows[t] * width + q * V, x[u]);
-        } else {
-#pragma unroll
-          for (int z = 0; z < V; ++z) x[u][z] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
-        if (e < total) {
-#pragma unroll
-          for (int z = 0; z < V; ++z) dst[(q * V + z) * kC + t] = x[u][z];
-        }
-      }
-    }
-  } else {
-    const int total = kC * width;
-    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
-      float x[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e & (kC - 1), i = e >> 7;
-        x[u] = e < total && t < nt ? ToF(__ldg(&src[rows[t] * width + i])) : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads;
-        if (e < total) dst[e] = x[u];
-      }
-    }
-  }
-  for (int e = threadIdx.x; e < kC * (K1 - width); e += kThreads) {
-    const int t = e & (kC - 1), i = width + (e >> 7);
-    dst[i * kC + t] = t < nt && i == width ? 1.f : 0.f;
-  }
-}
-
 // out[rows[t]][n] += w[t] acc[i][jj] for this thread's tokens t = m0 + i < nt
 // and columns n = n0 + jj < ncols (rows `width` wide). The old values of
 // kPass rows are loaded before any is stored, so their latencies overlap
@@ -261,9 +212,13 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3
       w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
     }
     __syncthreads();
-    if (kA) StageTransposedRows(a, r, rows, nt, r, vec_in, At);
-    if (kRead == SmatReadKind::kBoth) StageTransposedRows(v, dv, rows, nt, p, vec_in, Bt);
-    if (kRead == SmatReadKind::kMatVec) StageTransposedRows(gsrc, p, rows, nt, p, false, Bt);
+    if (kA) StageTransposed(ListedRows<In>{a, rows, r}, nt, r, vec_in, At);
+    if (kRead == SmatReadKind::kBoth) {
+      StageTransposed(ListedRows<In>{v, rows, dv}, nt, p, vec_in, Bt);
+    }
+    if (kRead == SmatReadKind::kMatVec) {
+      StageTransposed(ListedRows<float>{gsrc, rows, p}, nt, p, false, Bt);
+    }
     __syncthreads();
     if (kA) {
       float acc[8][4];
