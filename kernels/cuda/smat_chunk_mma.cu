@@ -91,46 +91,8 @@ constexpr int kBatch = 8;  // independent global loads per thread before storing
 template <typename T>
 __device__ void StageTransposed(const T* base, int64_t stride, int width, int ce, bool ones,
                                 bool vec, float* dst) {
-  constexpr int V = 16 / sizeof(T);
-  if (vec) {  // width % V == 0, rows 16-byte aligned
-    const int total = kC * (width / V);
-    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * 4) {
-      float x[4][V];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
-        if (e < total && t < ce) {
-          LoadVec(base + t * stride + q * V, x[u]);
-        } else {
-#pragma unroll
-          for (int z = 0; z < V; ++z) x[u][z] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
-        if (e < total) {
-#pragma unroll
-          for (int z = 0; z < V; ++z) dst[(q * V + z) * kLdT + t] = x[u][z];
-        }
-      }
-    }
-  } else {
-    const int total = kC * width;
-    for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
-      float x[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e & (kC - 1), i = e >> 7;
-        x[u] = e < total && t < ce ? ToF(__ldg(&base[t * stride + i])) : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = e0 + u * kThreads, t = e & (kC - 1), i = e >> 7;
-        if (e < total) dst[i * kLdT + t] = x[u];
-      }
-    }
-  }
+  fast_tiles::StageTransposedRows<kLdT>(fast_tiles::TokenTile<T>{base, stride, width}, ce, vec,
+                                        dst);
   for (int e = threadIdx.x; e < kC * (kKPad - width); e += kThreads) {
     const int t = e & (kC - 1), i = width + (e >> 7);
     dst[i * kLdT + t] = ones && i == width && t < ce ? 1.f : 0.f;

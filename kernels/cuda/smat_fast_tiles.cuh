@@ -81,12 +81,12 @@ __device__ __forceinline__ TokenTile<T> Tile(const SmatCudaDims& d, const T* src
 // latencies rather than one per element.
 constexpr int kBatch = 8;
 
-// dst[i][t] (ld kC) = src[t][i] for i < width, 1 in row `width` when
-// K1 > width (the ones of vbar), 0 for t >= ce; src a TokenTile (chunk tiles)
-// or ListedRows (grouped products, ce = the tokens listed). Threads walk t
-// fastest, so the shared-memory stores of a warp hit 32 different banks.
-template <class Src>
-__device__ void StageTransposed(const Src& src, int ce, int K1, bool vec, float* dst) {
+// dst[i][t] (ld kLd) = src[t][i] for i < width, 0 for t >= ce; src a
+// TokenTile (chunk tiles) or ListedRows (grouped products, ce = the tokens
+// listed). Threads walk t fastest, so the shared-memory stores of a warp hit
+// 32 different banks. The rows from width on are the caller's.
+template <int kLd, class Src>
+__device__ void StageTransposedRows(const Src& src, int ce, bool vec, float* dst) {
   constexpr int V = 16 / sizeof(typename Src::Elem);
   if (vec) {
     const int total = kC * (src.width / V);
@@ -107,7 +107,7 @@ __device__ void StageTransposed(const Src& src, int ce, int K1, bool vec, float*
         const int e = e0 + u * kThreads, t = e & (kC - 1), q = e >> 7;
         if (e < total) {
 #pragma unroll
-          for (int z = 0; z < V; ++z) dst[(q * V + z) * kC + t] = x[u][z];
+          for (int z = 0; z < V; ++z) dst[(q * V + z) * kLd + t] = x[u][z];
         }
       }
     }
@@ -123,10 +123,22 @@ __device__ void StageTransposed(const Src& src, int ce, int K1, bool vec, float*
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int e = e0 + u * kThreads;
-        if (e < total) dst[e] = x[u];  // e = i * kC + t
+        if constexpr (kLd == kC) {
+          if (e < total) dst[e] = x[u];  // e = i * kC + t
+        } else {
+          const int t = e & (kC - 1), i = e >> 7;
+          if (e < total) dst[i * kLd + t] = x[u];
+        }
       }
     }
   }
+}
+
+// StageTransposedRows (ld kC), then rows width .. K1 - 1: 1 in row `width`
+// for t < ce (the ones of vbar), else 0.
+template <class Src>
+__device__ void StageTransposed(const Src& src, int ce, int K1, bool vec, float* dst) {
+  StageTransposedRows<kC>(src, ce, vec, dst);
   for (int e = threadIdx.x; e < kC * (K1 - src.width); e += kThreads) {
     const int t = e & (kC - 1), i = src.width + (e >> 7);
     dst[i * kC + t] = t < ce && i == src.width ? 1.f : 0.f;
