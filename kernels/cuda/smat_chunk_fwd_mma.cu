@@ -141,15 +141,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
           sc[nt][e] *= expf(lt[e >> 1] - bk.lam()[s]);
         }
     }
-    if (j == i || 16 * i + 16 > bk.ce) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
-          if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
-        }
-    }
+    MaskQueryTile(bk, i, j, g, tq, sc);
     uint32_t xa[3][4];
     SplitTile(sc, xa);
 #pragma unroll

@@ -143,6 +143,27 @@ __device__ __forceinline__ void SplitB(const float (&x)[4], uint32_t (&b)[3][2])
   Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
 }
 
+// The causal mask of a 16 x 16 score tile held as two m16n8 accumulators,
+// rows the tokens t of query block i, columns the tokens s of key block j
+// (lane g = lane / 4, tq = lane % 4; bk.ce the chunk's tokens): keeps the
+// pairs s <= t < ce, zeroes the rest. Only the diagonal block and the chunk's
+// last partial block hold pairs outside. (B7's key-row tiles hold the
+// transpose and mask it in place, the same loop with t and s swapped: through
+// a helper like this one their machine code changes, which is not measured.)
+template <class Blk>
+__device__ __forceinline__ void MaskQueryTile(const Blk& bk, int i, int j, int g, int tq,
+                                              float (&sc)[2][4]) {
+  if (j == i || 16 * i + 16 > bk.ce) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
+        if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
+      }
+  }
+}
+
 // c (hi, lo) += A B with A exact (1 part) and B in 3 parts (b[part][reg]).
 __device__ __forceinline__ void Mma1x3(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[4],
                                        const uint32_t (&b)[3][2]) {
