@@ -138,16 +138,16 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
                                          in.prof, &F, stream));
   SMAT_ASSIGN_OR_RETURN(sv.U, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
   SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
-  // Outputs: chunk-local part, per-type reads, one division (steps 4, 7).
-  SMAT_ASSIGN_OR_RETURN(Tensor ybar, Alloc(backend, {d.batch, d.L, d.H, d.p}));
-  SMAT_RETURN_IF_ERROR(
-      k->ChunkOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.S_in, &ybar, stream));
+  // Outputs (steps 4, 7): the per-type reads of the recent tokens, then the
+  // chunk-local part, the sum and the division in one pass over the tokens.
+  SMAT_ASSIGN_OR_RETURN(Tensor reads, Alloc(backend, {d.batch, d.L, d.H, d.p}));
   SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, sv.U, sv.lam, sv.chunk_decay, Tensor(),
-                                    in.type, &ybar, stream));
+                                    in.type, &reads, SmatWrite::kAssign, stream));
   SMAT_ASSIGN_OR_RETURN(fwd->o, Tensor::Empty({d.batch, d.L, d.H, d.dv}, in.v.dtype(),
                                               backend.allocator()));
   SMAT_ASSIGN_OR_RETURN(sv.den, Alloc(backend, {d.batch, d.L, d.H}));
-  return k->Normalize(ybar, in.eps, &fwd->o, &sv.den, stream);
+  return k->NormalizedOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.S_in, reads, in.eps,
+                              &fwd->o, &sv.den, stream);
 }
 
 absl::Status SmatBackward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
@@ -197,9 +197,8 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, sv.chunk_decay, Tensor(),
                                             &D_bar, &state_grad, stream));
   SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(plan, span, in.phi, in.psi, in.v, sv.lam,
-                                               sv.chunk_decay, sv.S_in, gbar, D_bar,
-                                               &grads->phi, &grads->psi, &grads->v,
-                                               SmatGradWrite::kAssign, stream));
+                                               sv.chunk_decay, sv.S_in, gbar, D_bar, &grads->phi,
+                                               &grads->psi, &grads->v, SmatWrite::kAssign, stream));
 
   // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar, gather to tokens.
   SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));

@@ -126,10 +126,11 @@ struct SmatSpan {
 // t1 chunk-aligned or T, 0 <= t0 < t1 <= T).
 absl::Status ValidateSmatSpan(const SmatPlan& plan, const SmatSpan& span);
 
-// How a backward phase treats its gradient outputs: kAdd adds into them (+=);
-// kAssign writes every element of the span (=), so the caller need not zero
-// them first and the phase reads nothing back.
-enum class SmatGradWrite { kAdd, kAssign };
+// How a phase treats an output it could add to (TypeReads' ybar, the
+// gradients of ChunkOutputsBackward): kAdd adds into it (+=); kAssign writes
+// every element the phase covers (=), so the caller need not zero it first
+// and the phase reads nothing back.
+enum class SmatWrite { kAdd, kAssign };
 
 class SmatKernels {
  public:
@@ -208,7 +209,9 @@ class SmatKernels {
   // F7. Per-type reads (step 4, eq. 9), += into ybar for the span's recent t:
   //   ybar_t += gate_t phi_t^T U[type(t)],  gate_t = exp(Lambda_t - Lambda_{n-1})
   //   = exp(recent_offset + (sum of logg over [recent_begin, t])).
-  //   Distant tokens are untouched.
+  //   Distant tokens are untouched. With SmatWrite::kAssign, ybar_t = the read
+  //   for every recent t of the span (0 where t reads nothing: n = 0, or a
+  //   content type out of range), the input of NormalizedOutputs.
   virtual absl::Status TypeReads(const SmatPlan& plan, const SmatSpan& span,
                                  const Tensor& phi,            // [batch, L, H, r]
                                  const Tensor& U,              // [batch, H, B, r, p]
@@ -217,7 +220,7 @@ class SmatKernels {
                                  const Tensor& recent_offset,  // [batch, H] or undefined (0)
                                  const Tensor& type,           // [batch, L, H] int32 or undefined
                                  Tensor* ybar,                 // [batch, L, H, p] (+=)
-                                 Stream* stream) = 0;
+                                 SmatWrite write, Stream* stream) = 0;
 
   // F8. Normalisation (eq. 3): den_t = ybar_t[dv] + eps, o_t = ybar_t[0:dv] / den_t.
   //   den is what backward needs (with o it gives ybar back).
@@ -227,11 +230,30 @@ class SmatKernels {
                                  Tensor* den,  // [batch, L, H]
                                  Stream* stream) = 0;
 
+  // F6 + F7 + F8 without ybar in memory: per token t of the span,
+  //   ybar_t = (F6's chunk-local part) + [t recent] reads_t,
+  //   den_t = ybar_t[dv] + eps,  o_t = ybar_t[0:dv] / den_t,
+  //   where reads holds TypeReads' rows written with SmatWrite::kAssign (its
+  //   distant rows are not read). The same values, bit for bit, as
+  //   ChunkOutputs, TypeReads (kAdd) and Normalize in turn, in one pass over
+  //   the tokens: the single-device forward (kernels/smat.cc) uses it.
+  virtual absl::Status NormalizedOutputs(const SmatPlan& plan, const SmatSpan& span,
+                                         const Tensor& phi,    // [batch, L, H, r]
+                                         const Tensor& psi,    // [batch, L, H, r]
+                                         const Tensor& v,      // [batch, L, H, dv]
+                                         const Tensor& lam,    // [batch, L, H] or undefined
+                                         const Tensor& S_in,   // [batch, Lc, H, r, p]
+                                         const Tensor& reads,  // [batch, L, H, p]
+                                         float eps,
+                                         Tensor* o,    // [batch, L, H, dv], phi's dtype or fp32
+                                         Tensor* den,  // [batch, L, H]
+                                         Stream* stream) = 0;
+
   // ====================== backward (Appendix E) ======================
   // gbar_t = dL/dybar_t. Gradients phi_bar, psi_bar, v_bar are fp32 and
   // accumulated (+=) by several phases in the order of kernels/smat.cc; B7,
   // which covers every token of the span, can write them instead (see
-  // SmatGradWrite), so that they need no zeroing first.
+  // SmatWrite), so that they need no zeroing first.
 
   // B1. Jacobian of the division (Appendix E, last display):
   //   gbar_t[0:dv] = do_t / den_t,  gbar_t[dv] = -(do_t . o_t) / den_t;
@@ -314,7 +336,7 @@ class SmatKernels {
   //     phi_bar_t += exp(lam[t]) S_in[k] gbar_t + sum_s W[t, s] (vbar_s . gbar_t) psi_s
   //     Zbar_s     = sum_t W[t, s] phi_t gbar_t^T + w_s D_bar[k]
   //     psi_bar_s += Zbar_s vbar_s,   v_bar_s += (Zbar_s^T psi_s)[0:dv].
-  //   With SmatGradWrite::kAssign, = in place of += in all three (every element
+  //   With SmatWrite::kAssign, = in place of += in all three (every element
   //   of the span's phi_bar, psi_bar and v_bar is written).
   virtual absl::Status ChunkOutputsBackward(const SmatPlan& plan, const SmatSpan& span,
                                             const Tensor& phi,          // [batch, L, H, r]
@@ -328,7 +350,7 @@ class SmatKernels {
                                             Tensor* phi_bar,            // [batch, L, H, r] (+=)
                                             Tensor* psi_bar,            // [batch, L, H, r] (+=)
                                             Tensor* v_bar,              // [batch, L, H, dv] (+=)
-                                            SmatGradWrite write, Stream* stream) = 0;
+                                            SmatWrite write, Stream* stream) = 0;
 
   // B8. Gate gradient. Every mask weight is exp(Lambda_i - Lambda_j), so
   //   dL/dLambda_t = (sum over t's row) - (sum over t's column)

@@ -328,7 +328,7 @@ absl::Status SequenceParallelSmatForward(Backend& backend, Communicator& comm,
   SMAT_ASSIGN_OR_RETURN(Tensor U, EmptyOn(backend, {b, H, plan.geo.B, r, p}));
   SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &U, stream));
   SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, U, lam, cd, sv.recent_offset, in.type,
-                                    &ybar, stream));
+                                    &ybar, SmatWrite::kAdd, stream));
   SMAT_ASSIGN_OR_RETURN(fwd->o, EmptyOn(backend, {b, L, H, z.dv}, in.v.dtype()));
   SMAT_ASSIGN_OR_RETURN(Tensor den, EmptyOn(backend, {b, L, H}));
   SMAT_RETURN_IF_ERROR(k->Normalize(ybar, in.eps, &fwd->o, &den, stream));
@@ -405,9 +405,8 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
   SMAT_RETURN_IF_ERROR(
       k->ChunkScanBackward(plan, span, S_in_bar, cd, incoming_grad, &D_bar, &ssg, stream));
   SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(plan, span, in.phi, in.psi, in.v, lam, cd,
-                                               sv.local.S_in, gbar, D_bar, &grads->phi,
-                                               &grads->psi, &grads->v, SmatGradWrite::kAdd,
-                                               stream));
+                                               sv.local.S_in, gbar, D_bar, &grads->phi, &grads->psi,
+                                               &grads->v, SmatWrite::kAdd, stream));
 
   SMAT_RETURN_IF_ERROR(table->Wait());
   SMAT_RETURN_IF_ERROR(Upload(backend, U_bar_comm, U_bar, stream));

@@ -216,6 +216,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   SMAT_ASSIGN_OR_RETURN(Tensor F, buf.Zeros({B, H, P, r, p}));
   SMAT_ASSIGN_OR_RETURN(Tensor U, buf.Zeros({B, H, Bt, r, p}));
   SMAT_ASSIGN_OR_RETURN(Tensor ybar, buf.Zeros({B, T, H, p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor reads, buf.Zeros({B, T, H, p}));
   SMAT_ASSIGN_OR_RETURN(Tensor o, buf.Zeros({B, T, H, dv}, cfg.dtype));
   SMAT_ASSIGN_OR_RETURN(Tensor den, buf.Zeros({B, T, H}));
   const float eps = 1e-6f;
@@ -237,20 +238,41 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                  }});
   fwd.push_back({"Tabulate", BH * (P + Bt) * W * 4, BH * nnz * W,
                  [&] { return k->Tabulate(plan, F, &U, nullptr); }});
-  fwd.push_back({"ChunkOutputs", N * (2 * r + dv) * es + gate_bytes + NC * W * 4 + N * p * 4,
-                 N * c * (r + p) + 2 * N * W, [&] {
-                   return k->ChunkOutputs(plan, span, phi, psi, v, lam, S_in, &ybar, nullptr);
+  // The outputs as SmatForward computes them (kernels/smat.cc): the reads of
+  // the recent tokens, then the chunk-local part, the sum and the division.
+  const double out_bytes = N * (2 * r + dv) * es + gate_bytes + NC * W * 4;
+  fwd.push_back({"TypeReads (=)", nr * (r * es + p * 4) + BH * Bt * W * 4, 2 * nr * W, [&] {
+                   return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &reads,
+                                       SmatWrite::kAssign, nullptr);
                  }});
-  fwd.push_back({"TypeReads", nr * (r * es + p * 8) + BH * Bt * W * 4, 2 * nr * W, [&] {
-                   return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &ybar,
-                                       nullptr);
+  fwd.push_back({"NormalizedOutputs", out_bytes + nr * p * 4 + N * (dv * es + 4),
+                 N * c * (r + p) + 2 * N * W + N * dv, [&] {
+                   return k->NormalizedOutputs(plan, span, phi, psi, v, lam, S_in, reads, eps, &o,
+                                               &den, nullptr);
                  }});
-  fwd.push_back({"Normalize", N * (p * 4 + dv * es + 4), N * dv,
-                 [&] { return k->Normalize(ybar, eps, &o, &den, nullptr); }});
+  // The same outputs as three phases with ybar in memory (the sequence-parallel
+  // composer's order, which overlaps the table's all-reduce with ChunkOutputs):
+  // timed for comparison, not part of the forward.
+  std::vector<Phase> three;
+  three.push_back({"ChunkOutputs", out_bytes + N * p * 4, N * c * (r + p) + 2 * N * W, [&] {
+                     return k->ChunkOutputs(plan, span, phi, psi, v, lam, S_in, &ybar, nullptr);
+                   }});
+  three.push_back({"TypeReads (+=)", nr * (r * es + p * 8) + BH * Bt * W * 4, 2 * nr * W, [&] {
+                     return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &ybar,
+                                         SmatWrite::kAdd, nullptr);
+                   }});
+  three.push_back({"Normalize", N * (p * 4 + dv * es + 4), N * dv,
+                   [&] { return k->Normalize(ybar, eps, &o, &den, nullptr); }});
   std::vector<double> fwd_ms;
   double fwd_total = 0;
   SMAT_RETURN_IF_ERROR(TimeChain(gpu, fwd, warmup, reps, &fwd_ms, &fwd_total));
   PrintTable("forward", fwd, fwd_ms, fwd_total, ceil);
+  {
+    std::vector<double> three_ms;
+    double three_total = 0;
+    SMAT_RETURN_IF_ERROR(TimeChain(gpu, three, warmup, reps, &three_ms, &three_total));
+    PrintTable("outputs in 3 phases", three, three_ms, three_total, ceil);
+  }
 
   double bwd_total = 0;
   if (backward) {
@@ -287,7 +309,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                    2 * N * c * (r + p) + 6 * N * W, [&] {
                      return k->ChunkOutputsBackward(plan, span, phi, psi, v, lam, cd, S_in, gbar,
                                                     D_bar, &phi_bar, &psi_bar, &v_bar,
-                                                    SmatGradWrite::kAssign, nullptr);
+                                                    SmatWrite::kAssign, nullptr);
                    }});
     bwd.push_back({"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8,
                    4 * nr * W, [&] {

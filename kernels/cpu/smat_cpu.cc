@@ -294,6 +294,27 @@ absl::Status CpuSmatKernels::Normalize(const Tensor& ybar, float eps, Tensor* o,
   return absl::OkStatus();
 }
 
+absl::Status CpuSmatKernels::NormalizedOutputs(const SmatPlan& plan, const SmatSpan& span,
+                                               const Tensor& phi, const Tensor& psi,
+                                               const Tensor& v, const Tensor& lam,
+                                               const Tensor& S_in, const Tensor& reads, float eps,
+                                               Tensor* o, Tensor* den, Stream* stream) {
+  SMAT_ASSIGN_OR_RETURN(SpanDims s, MakeSpanDims(plan, span, phi, "phi"));
+  s.dv = v.defined() && v.rank() == 4 ? v.dim(3) : 0;
+  s.p = s.dv + 1;
+  SMAT_RETURN_IF_ERROR(CheckF32(reads, {s.batch, s.L, s.H, s.p}, "reads"));
+  // The three phases in turn, on a ybar of this call's own.
+  SMAT_ASSIGN_OR_RETURN(Tensor ybar, Tensor::Empty({s.batch, s.L, s.H, s.p}, DType::kF32));
+  SMAT_RETURN_IF_ERROR(ChunkOutputs(plan, span, phi, psi, v, lam, S_in, &ybar, stream));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t first = s.Tok(b, s.id, 0) * s.p, count = (s.L - s.id) * s.H * s.p;
+    float* y = ybar.data<float>() + first;
+    const float* x = reads.data<float>() + first;
+    for (int64_t e = 0; e < count; ++e) y[e] += x[e];
+  }
+  return Normalize(ybar, eps, o, den, stream);
+}
+
 absl::Status CpuSmatKernels::NormalizeBackward(const Tensor& d_o, const Tensor& o,
                                                const Tensor& den, float eps, Tensor* gbar,
                                                Tensor* dlam_row, Stream* stream) {

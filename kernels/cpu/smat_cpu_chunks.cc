@@ -293,11 +293,13 @@ absl::Status CpuSmatKernels::ChunkScanBackward(const SmatPlan& plan, const SmatS
   return absl::OkStatus();
 }
 
-absl::Status CpuSmatKernels::ChunkOutputsBackward(
-    const SmatPlan& plan, const SmatSpan& span, const Tensor& phi, const Tensor& psi,
-    const Tensor& v, const Tensor& lam, const Tensor& chunk_decay, const Tensor& S_in,
-    const Tensor& gbar, const Tensor& D_bar, Tensor* phi_bar, Tensor* psi_bar, Tensor* v_bar,
-    SmatGradWrite write, Stream* stream) {
+absl::Status CpuSmatKernels::ChunkOutputsBackward(const SmatPlan& plan, const SmatSpan& span,
+                                                  const Tensor& phi, const Tensor& psi,
+                                                  const Tensor& v, const Tensor& lam,
+                                                  const Tensor& chunk_decay, const Tensor& S_in,
+                                                  const Tensor& gbar, const Tensor& D_bar,
+                                                  Tensor* phi_bar, Tensor* psi_bar, Tensor* v_bar,
+                                                  SmatWrite write, Stream* stream) {
   SMAT_ASSIGN_OR_RETURN(SpanDims s, TokenDims(plan, span, phi, v, "phi"));
   const Shape tok_r = {s.batch, s.L, s.H, s.r}, tok_v = {s.batch, s.L, s.H, s.dv};
   const Shape chunk_state = {s.batch, s.Lc, s.H, s.r, s.p};
@@ -312,7 +314,7 @@ absl::Status CpuSmatKernels::ChunkOutputsBackward(
   SMAT_RETURN_IF_ERROR(CheckOutF32(phi_bar, tok_r, "phi_bar"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(psi_bar, tok_r, "psi_bar"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(v_bar, tok_v, "v_bar"));
-  if (write == SmatGradWrite::kAssign) {
+  if (write == SmatWrite::kAssign) {
     // Every token of the span belongs to one chunk below: zero, then add.
     for (Tensor* out : {phi_bar, psi_bar, v_bar}) {
       std::fill(out->data<float>(), out->data<float>() + out->numel(), 0.f);

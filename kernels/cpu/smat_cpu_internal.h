@@ -112,9 +112,13 @@ class CpuSmatKernels final : public SmatKernels {
   absl::Status TypeReads(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
                          const Tensor& U, const Tensor& lam, const Tensor& chunk_decay,
                          const Tensor& recent_offset, const Tensor& type, Tensor* ybar,
-                         Stream* stream) override;
+                         SmatWrite write, Stream* stream) override;
   absl::Status Normalize(const Tensor& ybar, float eps, Tensor* o, Tensor* den,
                          Stream* stream) override;
+  absl::Status NormalizedOutputs(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                                 const Tensor& psi, const Tensor& v, const Tensor& lam,
+                                 const Tensor& S_in, const Tensor& reads, float eps, Tensor* o,
+                                 Tensor* den, Stream* stream) override;
 
   absl::Status NormalizeBackward(const Tensor& d_o, const Tensor& o, const Tensor& den,
                                  float eps, Tensor* gbar, Tensor* dlam_row,
@@ -139,12 +143,12 @@ class CpuSmatKernels final : public SmatKernels {
                                  const Tensor& S_in_bar, const Tensor& chunk_decay,
                                  const Tensor& incoming_grad, Tensor* D_bar,
                                  Tensor* span_state_grad, Stream* stream) override;
-  absl::Status ChunkOutputsBackward(const SmatPlan& plan, const SmatSpan& span,
-                                    const Tensor& phi, const Tensor& psi, const Tensor& v,
-                                    const Tensor& lam, const Tensor& chunk_decay,
-                                    const Tensor& S_in, const Tensor& gbar, const Tensor& D_bar,
-                                    Tensor* phi_bar, Tensor* psi_bar, Tensor* v_bar,
-                                    SmatGradWrite write, Stream* stream) override;
+  absl::Status ChunkOutputsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                                    const Tensor& psi, const Tensor& v, const Tensor& lam,
+                                    const Tensor& chunk_decay, const Tensor& S_in,
+                                    const Tensor& gbar, const Tensor& D_bar, Tensor* phi_bar,
+                                    Tensor* psi_bar, Tensor* v_bar, SmatWrite write,
+                                    Stream* stream) override;
   absl::Status LogDecayBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& psi,
                                 const Tensor& psi_bar, const Tensor& dlam_row,
                                 const Tensor& suffix_in, Tensor* logg_bar, Tensor* span_sum,

@@ -96,7 +96,8 @@ absl::Status CpuSmatKernels::ProfilePooling(const SmatPlan& plan, const SmatSpan
 absl::Status CpuSmatKernels::TypeReads(const SmatPlan& plan, const SmatSpan& span,
                                        const Tensor& phi, const Tensor& U, const Tensor& lam,
                                        const Tensor& chunk_decay, const Tensor& recent_offset,
-                                       const Tensor& type, Tensor* ybar, Stream* stream) {
+                                       const Tensor& type, Tensor* ybar, SmatWrite write,
+                                       Stream* stream) {
   SMAT_ASSIGN_OR_RETURN(SpanDims s, MakeSpanDims(plan, span, phi, "phi"));
   s.r = phi.rank() == 4 ? phi.dim(3) : 0;
   s.p = U.defined() && U.rank() == 5 ? U.dim(4) : 0;
@@ -109,6 +110,13 @@ absl::Status CpuSmatKernels::TypeReads(const SmatPlan& plan, const SmatSpan& spa
   SMAT_RETURN_IF_ERROR(CheckOptionalF32(recent_offset, {s.batch, s.H}, "recent_offset"));
   SMAT_RETURN_IF_ERROR(CheckOptionalI32(type, {s.batch, s.L, s.H}, "type"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(ybar, {s.batch, s.L, s.H, s.p}, "ybar"));
+  if (write == SmatWrite::kAssign) {
+    // The recent rows start from 0; rows that read nothing stay 0.
+    for (int64_t b = 0; b < s.batch; ++b) {
+      float* first = ybar->data<float>() + s.Tok(b, s.id, 0) * s.p;
+      std::fill(first, first + (s.L - s.id) * s.H * s.p, 0.f);
+    }
+  }
   if (s.id == s.L || plan.n == 0) return absl::OkStatus();  // no recent token reads U
   HeadGates g;
   TokenGroups groups;

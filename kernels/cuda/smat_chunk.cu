@@ -349,6 +349,11 @@ int SmatChunkTileRows(const SmatCudaDims& d, int64_t smem_limit, bool backward_k
   return 0;
 }
 
+bool SmatNormalizedOutputsFused(const SmatCudaDims& d) {
+  return SmatUseFastChunkTiles(d) && SmatChunkMmaForwardFused(d) &&
+         SmatNormalizedOutputsFusedFits(d);
+}
+
 cudaError_t LaunchSmatChunkOutputs(const SmatCudaDims& d, int tile, const void* phi,
                                    const void* psi, const void* v, const float* lam,
                                    const float* S_in, float* ybar, cudaStream_t stream) {

@@ -7,7 +7,7 @@
 //   psi_bar_s += w_s D_bar vbar_s         + sum_{t >= s} W G[t, s] phi_t     (key rows)
 //   v_bar_s   += w_s (D_bar^T psi_s)[:dv] + sum_{t >= s} W A[t, s] gbar_t[:dv]
 // (w_s = exp(chunk_decay[k] - lam_s); kAssign: = in place of +=, the
-// SmatGradWrite::kAssign of SmatBackward). LaunchSmatChunkOutputsBackwardMma runs it
+// SmatWrite::kAssign of SmatBackward). LaunchSmatChunkOutputsBackwardMma runs it
 // for bf16 inputs (the default where SmatUseMmaChunkTiles says so, and with
 // SMAT_CUDA_CHUNK_TILES=mma); fp32 inputs keep the three tiles of
 // smat_chunk_mma.cu, and SMAT_CUDA_CHUNK_TILES=ffma the FFMA tiles of
@@ -502,7 +502,7 @@ __device__ __forceinline__ void SideTerms(const Block& bk, const SmatCudaDims& d
 }
 
 // grid (Lc, batch * H), kThreads threads, kSmemBytes of shared memory.
-// kAssign: the outputs are written, not added to (SmatGradWrite::kAssign).
+// kAssign: the outputs are written, not added to (SmatWrite::kAssign).
 template <bool kGated, bool kAssign>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, bool pairs_r, bool pairs_v,

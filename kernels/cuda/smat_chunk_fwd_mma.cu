@@ -23,9 +23,19 @@
 // exp(lam_t) first. The den column (dv) is the ones column of vbar and column
 // dv of S_in, like any other.
 //
+// Finishing the outputs (kNorm, SmatKernels::NormalizedOutputs): instead of
+// ybar, the kernel adds the per-type reads of recent rows (written before by
+// TypeReads with SmatWrite::kAssign) and writes den and bf16 o, so that
+// neither ybar nor its second and third passes (TypeReads +=, Normalize) go
+// through memory. The left halves of the rows (columns 0-31) wait in shared
+// memory until the warp holding column dv has stored 1 / den; o = y * (1 /
+// den), as LaunchSmatNormalize computes it.
+//
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
 // 2026-12-01): 1.72 ms (60 TFLOP/s of exact-product FLOPs, 1.9 TB/s), against
 // 4.95 ms for the tile of smat_chunk_mma.cu and 6.04 ms with FFMA; gated 2.21.
+// With kNorm 2.00 ms (gated 2.20), replacing ChunkOutputs + TypeReads (+=) +
+// Normalize = 3.18 ms by TypeReads (=) + this = 2.93 ms.
 //
 // Exactness: as smat_chunk_mma.cu (every fp32 operand in three parts, the
 // correction terms in an accumulator of their own): within 1e-5 of the CPU
@@ -57,6 +67,22 @@ constexpr int kOffS = 3 * kTile;       // the three planes of S_in
 constexpr int kOffTokens = kOffS + 3 * kPlane;  // fp32 lam, wq [kC] (bf16 units)
 constexpr int kSmemBytes = kOffTokens * 2 + 2 * kC * 4;
 static_assert(kOffTokens % 8 == 0, "the fp32 arrays must be 16-byte aligned");
+// Finishing the outputs (kNorm) adds the left halves of the rows (columns
+// 0-31, fp32, [kC][kLdY]) and each row's normaliser: 101 KB, still two
+// blocks per SM.
+constexpr int kLdY = 36;
+constexpr int kSmemNormBytes = kSmemBytes + (kC * kLdY + kC) * 4;
+
+// Where the rows go: ybar (written), or with kNorm o and den after the reads
+// of recent rows are added (see LaunchSmatNormalizedOutputsFused).
+struct Outputs {
+  float* ybar;
+  const float* reads;  // [batch, L, H, p], rows of local tokens >= recent_begin
+  int64_t recent_begin;
+  float eps;
+  __nv_bfloat16* o;  // [batch, L, H, dv]
+  float* den;        // [batch, L, H]
+};
 
 struct Block {
   __nv_bfloat16* base;
@@ -65,15 +91,18 @@ struct Block {
   int off_a, off_bn, off_bt;  // ldmatrix lane offsets (see smat_chunk_bwd_mma.cu)
   __device__ const float* lam() const { return reinterpret_cast<const float*>(base + kOffTokens); }
   __device__ const float* wq() const { return lam() + kC; }
+  // kNorm: the left halves of the rows and the normalisers' reciprocals.
+  __device__ float* yleft() const { return reinterpret_cast<float*>(base) + kSmemBytes / 4; }
+  __device__ float* inv_den() const { return yleft() + kC * kLdY; }
   __device__ uint32_t Addr(int elem, int row, int col, int off) const {
     return SmemAddr(base) + 2u * static_cast<uint32_t>(elem + row * kLd + col + off);
   }
 };
 
 // Output rows of query block i, n-tiles kN0 .. kN0 + kNt - 1 (8 columns each).
-template <bool kGated, int kN0, int kNt>
+template <bool kGated, bool kNorm, int kN0, int kNt>
 __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int i, float* __restrict__ ybar) {
+                                          int64_t c0, int i, const Outputs& out) {
   constexpr int kPairs = (kNt + 1) / 2;  // ldmatrix x4 .trans loads two n-tiles
   const int g = bk.g, tq = bk.tq;
   float hi[kNt][4], lo[kNt][4];
@@ -155,29 +184,124 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
       }
     }
   }
-  // ybar[t][n] = hi + lo for t < ce, n < p (rows of p = dv + 1 floats).
+  if (!kNorm) {
+    // ybar[t][n] = hi + lo for t < ce, n < p (rows of p = dv + 1 floats).
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int m = 16 * i + g + 8 * hr;
-    if (m >= bk.ce) continue;
-    float* o = ybar + TokenRow(d, b, c0 + m, h) * bk.p;
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = 16 * i + g + 8 * hr;
+      if (m >= bk.ce) continue;
+      float* o = out.ybar + TokenRow(d, b, c0 + m, h) * bk.p;
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
+      for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        const int n = 8 * (kN0 + nt) + 2 * tq + e1;
-        if (n < bk.p) o[n] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int n = 8 * (kN0 + nt) + 2 * tq + e1;
+          if (n < bk.p) o[n] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+        }
+    }
+  } else if (kN0 == 0) {
+    // The left halves wait in shared memory for the normalisers.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float* y = bk.yleft() + (16 * i + g + 8 * hr) * kLdY;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          y[8 * nt + 2 * tq + e1] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+        }
+    }
+  } else {
+    // The right halves hold column dv (p > 32): add the reads, then den and
+    // the columns 32 .. dv - 1 of o, as LaunchSmatNormalize computes them.
+    const int dv = d.dv;
+    const bool pairs = dv % 2 == 0;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = 16 * i + g + 8 * hr;
+      const int64_t row = TokenRow(d, b, c0 + m, h);
+      const bool read = out.reads != nullptr && c0 + m >= out.recent_begin && m < bk.ce;
+      float y[kNt][2];
+      float ydv = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int n = 8 * (kN0 + nt) + 2 * tq + e1;
+          y[nt][e1] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+          if (read && n < bk.p) y[nt][e1] += out.reads[row * bk.p + n];
+          if (n == dv) ydv = y[nt][e1];
+        }
+      // Column dv lives in lane tq = (dv % 8) / 2 of the row's quad.
+      ydv = __shfl_sync(0xffffffffu, ydv, (bk.g << 2) | ((dv & 7) >> 1));
+      const float dn = ydv + out.eps, inv = 1.f / dn;
+      if (m >= bk.ce) continue;
+      if (tq == ((dv & 7) >> 1)) {
+        bk.inv_den()[m] = inv;
+        out.den[row] = dn;
       }
+      __nv_bfloat16* o = out.o + row * dv;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int n = 8 * (kN0 + nt) + 2 * tq;
+        const float o0 = __fmul_rn(y[nt][0], inv), o1 = __fmul_rn(y[nt][1], inv);
+        if (pairs && n + 1 < dv) {
+          *reinterpret_cast<__nv_bfloat162*>(o + n) = __floats2bfloat162_rn(o0, o1);
+        } else {
+          if (n < dv) o[n] = __float2bfloat16(o0);
+          if (n + 1 < dv) o[n + 1] = __float2bfloat16(o1);
+        }
+      }
+    }
   }
 }
 
-// grid (Lc, batch * H), kThreads threads, kSmemBytes of shared memory.
-template <bool kGated>
+// kNorm, after both halves: columns 0-31 of o (all below dv >= 32) from the
+// left halves, their reads and the normalisers. 16 threads per row, two
+// columns each; a thread's reads are all loaded before the first is used.
+__device__ __forceinline__ void FinishLeftHalves(const Block& bk, const SmatCudaDims& d, int b,
+                                                 int h, int64_t c0, const Outputs& out) {
+  constexpr int kRows = kC / (kThreads / 16);  // rows per thread
+  const int dv = d.dv, tid = threadIdx.x;
+  const int n = 2 * (tid & 15), m0 = tid >> 4;
+  const bool read = out.reads != nullptr && c0 >= out.recent_begin;  // chunks never cross n
+  // Rows m0 + 16 k of the chunk: token rows 16 k H apart.
+  const int64_t row0 = TokenRow(d, b, c0 + m0, h), step = int64_t{kThreads / 16} * d.H;
+  float x[kRows][2];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const bool here = read && m0 + k * (kThreads / 16) < bk.ce;
+    const float* src = out.reads + (row0 + k * step) * bk.p + n;
+    x[k][0] = here ? src[0] : 0.f;
+    x[k][1] = here ? src[1] : 0.f;
+  }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int m = m0 + k * (kThreads / 16);
+    if (m >= bk.ce) break;
+    const float* yl = bk.yleft() + m * kLdY;
+    const float y0 = read ? yl[n] + x[k][0] : yl[n];
+    const float y1 = read ? yl[n + 1] + x[k][1] : yl[n + 1];
+    const float inv = bk.inv_den()[m];
+    const float o0 = __fmul_rn(y0, inv), o1 = __fmul_rn(y1, inv);
+    __nv_bfloat16* o = out.o + (row0 + k * step) * dv;
+    if (dv % 2 == 0) {
+      *reinterpret_cast<__nv_bfloat162*>(o + n) = __floats2bfloat162_rn(o0, o1);
+    } else {
+      o[n] = __float2bfloat16(o0);
+      o[n + 1] = __float2bfloat16(o1);
+    }
+  }
+}
+
+// grid (Lc, batch * H), kThreads threads, kSmemBytes (kNorm: kSmemNormBytes)
+// of shared memory.
+template <bool kGated, bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkForwardFusedKernel(SmatCudaDims d, bool vec_in, const __nv_bfloat16* __restrict__ phi,
                             const __nv_bfloat16* __restrict__ psi,
                             const __nv_bfloat16* __restrict__ v, const float* __restrict__ lam,
-                            const float* __restrict__ S_in, float* __restrict__ ybar) {
+                            const float* __restrict__ S_in, Outputs out) {
   extern __shared__ float4 smem4[];
   __nv_bfloat16* base = reinterpret_cast<__nv_bfloat16*>(smem4);
   float* lam_s = reinterpret_cast<float*>(base + kOffTokens);
@@ -191,6 +315,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t tok = TokenRow(d, b, c0, h);
   const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
 
+  // The reads rows of a recent chunk are wanted only at the end: ask L2 for
+  // them now, so that the epilogue does not wait on memory.
+  if (kNorm && out.reads != nullptr && c0 >= out.recent_begin) {
+    for (int e = tid; e < 3 * ce; e += kThreads) {  // 3 lines of 128 bytes hold a row
+      const int m = e / 3, piece = e - 3 * m;
+      const char* row = reinterpret_cast<const char*>(out.reads + (tok + int64_t{m} * d.H) * p);
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(row + 128 * piece));
+    }
+  }
   // ---- staging ----
   StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, stride_r, r, ce, vec_in,
                                        base + kPhi * kTile);
@@ -250,16 +383,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   bk.off_bn = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
   bk.off_bt = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
   const int w = tid >> 5;
-  if (w < bk.nb) QueryRows<kGated, 0, 4>(bk, d, b, h, c0, w, ybar);
-  if (7 - w < bk.nb && p > 32) QueryRows<kGated, 4, 5>(bk, d, b, h, c0, 7 - w, ybar);
+  if (w < bk.nb) QueryRows<kGated, kNorm, 0, 4>(bk, d, b, h, c0, w, out);
+  if (7 - w < bk.nb && p > 32) QueryRows<kGated, kNorm, 4, 5>(bk, d, b, h, c0, 7 - w, out);
+  if (kNorm) {
+    __syncthreads();  // every left half and normaliser is in shared memory
+    FinishLeftHalves(bk, d, b, h, c0, out);
+  }
 }
 
-template <bool kGated>
+template <bool kGated, bool kNorm>
 cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
-                        const float* lam, const float* S_in, float* ybar, cudaStream_t stream) {
-  auto kernel = ChunkForwardFusedKernel<kGated>;
+                        const float* lam, const float* S_in, const Outputs& out,
+                        cudaStream_t stream) {
+  auto kernel = ChunkForwardFusedKernel<kGated, kNorm>;
+  constexpr int kBytes = kNorm ? kSmemNormBytes : kSmemBytes;
   cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (err != cudaSuccess) return err;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                              cudaSharedmemCarveoutMaxShared);
@@ -267,9 +406,9 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
   const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-      d, vec, static_cast<const __nv_bfloat16*>(phi), static_cast<const __nv_bfloat16*>(psi),
-      static_cast<const __nv_bfloat16*>(v), lam, S_in, ybar);
+  kernel<<<grid, kThreads, kBytes, stream>>>(d, vec, static_cast<const __nv_bfloat16*>(phi),
+                                             static_cast<const __nv_bfloat16*>(psi),
+                                             static_cast<const __nv_bfloat16*>(v), lam, S_in, out);
   return cudaGetLastError();
 }
 
@@ -280,13 +419,30 @@ bool SmatChunkForwardFusedFits(const SmatCudaDims& d) {
   return SmatDeviceRunsMma(kSmemBytes);
 }
 
+bool SmatNormalizedOutputsFusedFits(const SmatCudaDims& d) {
+  // Column dv (the normaliser) must lie in the right halves: dv >= 32.
+  return SmatChunkForwardFusedFits(d) && d.dv >= 32 && SmatDeviceRunsMma(kSmemNormBytes);
+}
+
+cudaError_t LaunchSmatNormalizedOutputsFused(const SmatCudaDims& d, const void* phi,
+                                             const void* psi, const void* v, const float* lam,
+                                             const float* S_in, const float* reads,
+                                             int64_t recent_begin, float eps, void* o, float* den,
+                                             cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  const Outputs out{nullptr, reads, recent_begin, eps, static_cast<__nv_bfloat16*>(o), den};
+  return lam != nullptr ? LaunchGated<true, true>(d, phi, psi, v, lam, S_in, out, stream)
+                        : LaunchGated<false, true>(d, phi, psi, v, lam, S_in, out, stream);
+}
+
 cudaError_t LaunchSmatChunkOutputsForwardFused(const SmatCudaDims& d, const void* phi,
                                                const void* psi, const void* v, const float* lam,
                                                const float* S_in, float* ybar,
                                                cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  return lam != nullptr ? LaunchGated<true>(d, phi, psi, v, lam, S_in, ybar, stream)
-                        : LaunchGated<false>(d, phi, psi, v, lam, S_in, ybar, stream);
+  const Outputs out{ybar, nullptr, 0, 0.f, nullptr, nullptr};
+  return lam != nullptr ? LaunchGated<true, false>(d, phi, psi, v, lam, S_in, out, stream)
+                        : LaunchGated<false, false>(d, phi, psi, v, lam, S_in, out, stream);
 }
 
 }  // namespace smat

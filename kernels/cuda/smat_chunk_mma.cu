@@ -541,6 +541,11 @@ bool SmatUseMmaChunkTiles(const SmatCudaDims& d, bool backward) {
 
 int64_t SmatChunkMmaTilesSmemBytes() { return sizeof(float) * kSmemFloats; }
 
+bool SmatChunkMmaForwardFused(const SmatCudaDims& d) {
+  return SmatUseMmaChunkTiles(d, /*backward=*/false) && kFusedForwardBf16 &&
+         SmatChunkForwardFusedFits(d);
+}
+
 cudaError_t LaunchSmatChunkOutputsMma(const SmatCudaDims& d, const void* phi, const void* psi,
                                       const void* v, const float* lam, const float* S_in,
                                       float* ybar, cudaStream_t stream) {

@@ -185,16 +185,29 @@ class CudaSmatKernels final : public SmatKernels {
   absl::Status TypeReads(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
                          const Tensor& U, const Tensor& lam, const Tensor& chunk_decay,
                          const Tensor& recent_offset, const Tensor& type, Tensor* ybar,
-                         Stream* stream) override {
+                         SmatWrite write, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.TableDims(plan, span, phi, U, "U"));
     SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
     SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
     SMAT_RETURN_IF_ERROR(args_.CheckMap(d, type, "type"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
+    const int64_t begin = span.recent_begin(plan) - span.t0;
     // n = 0: there is no distant block, so no recent token reads U (the CPU
-    // phases' convention; U is then the table of an empty F anyway).
-    if (plan.n == 0) return absl::OkStatus();
+    // phases' convention; U is then the table of an empty F anyway). Content
+    // types out of range read nothing either: with =, those rows are zeroed
+    // first. Positional types give every recent token one read.
+    const bool reads = plan.n > 0 && begin < d.L;
+    bool assign = write == SmatWrite::kAssign;
+    if (assign && begin < d.L && (!reads || type.defined())) {
+      const size_t row_bytes = sizeof(float) * static_cast<size_t>(d.H) * d.p;
+      SMAT_RETURN_IF_ERROR(
+          CudaStatus(cudaMemset2DAsync(F32(ybar) + begin * d.H * d.p, row_bytes * d.L, 0,
+                                       row_bytes * (d.L - begin), d.batch, s),
+                     "TypeReads cudaMemset2DAsync"));
+      assign = false;
+    }
+    if (!reads) return absl::OkStatus();
     Scratch scratch(s);
     SmatTokenGroups groups;
     SmatTokenWeights w;
@@ -204,8 +217,8 @@ class CudaSmatKernels final : public SmatKernels {
     const int64_t B = plan.geo.B;
     const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
     return CudaStatus(LaunchSmatGroupedReads(d, groups, SegmentsFor(groups), SmatReadKind::kVecMat,
-                                             F32(U), lay, phi.raw(), nullptr, nullptr, w,
-                                             F32(ybar), nullptr, nullptr, s),
+                                             F32(U), lay, phi.raw(), nullptr, nullptr, w, F32(ybar),
+                                             nullptr, nullptr, assign, s),
                       "TypeReads kernel");
   }
 
@@ -229,9 +242,48 @@ class CudaSmatKernels final : public SmatKernels {
     }
     SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(den, {d.batch, d.L, d.H}, "den"));
-    return CudaStatus(LaunchSmatNormalize(d, F32(ybar), eps, o->raw(),
-                                          o->dtype() == DType::kBF16, F32(den), s),
+    return CudaStatus(LaunchSmatNormalize(d, F32(ybar), eps, o->raw(), o->dtype() == DType::kBF16,
+                                          F32(den), nullptr, 0, s),
                       "Normalize kernel");
+  }
+
+  absl::Status NormalizedOutputs(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
+                                 const Tensor& psi, const Tensor& v, const Tensor& lam,
+                                 const Tensor& S_in, const Tensor& reads, float eps, Tensor* o,
+                                 Tensor* den, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
+    if (o == nullptr || !o->defined() || o->device() != Device::Cuda(device_) ||
+        (o->dtype() != DType::kF32 && o->dtype() != phi.dtype())) {
+      return absl::InvalidArgumentError(
+          "smat cuda: o must be a tensor on the GPU of phi's dtype or fp32");
+    }
+    SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(den, {d.batch, d.L, d.H}, "den"));
+    const int64_t recent_begin = span.recent_begin(plan) - span.t0;
+    const bool o_bf16 = o->dtype() == DType::kBF16;
+    if (o_bf16 && SmatNormalizedOutputsFused(d)) {
+      return CudaStatus(
+          LaunchSmatNormalizedOutputsFused(d, phi.raw(), psi.raw(), v.raw(), F32(lam), F32(S_in),
+                                           F32(reads), recent_begin, eps, o->raw(), F32(den), s),
+          "NormalizedOutputs kernel");
+    }
+    // Otherwise the chunk tile writes ybar to scratch and the division adds
+    // the reads.
+    Scratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(float* ybar,
+                          scratch.Get<float>(static_cast<int64_t>(d.batch) * d.L * d.H * d.p));
+    SMAT_ASSIGN_OR_RETURN(int tile, ChunkTile(d, false));
+    SMAT_RETURN_IF_ERROR(CudaStatus(LaunchSmatChunkOutputs(d, tile, phi.raw(), psi.raw(), v.raw(),
+                                                           F32(lam), F32(S_in), ybar, s),
+                                    "NormalizedOutputs chunk kernel"));
+    return CudaStatus(
+        LaunchSmatNormalize(d, ybar, eps, o->raw(), o_bf16, F32(den), F32(reads), recent_begin, s),
+        "NormalizedOutputs division kernel");
   }
 
   // --------------------------------------------------------------- backward
@@ -294,7 +346,7 @@ class CudaSmatKernels final : public SmatKernels {
     if (groups.begin >= groups.end) return absl::OkStatus();
     return CudaStatus(LaunchSmatGroupedReads(d, groups, SegmentsFor(groups), SmatReadKind::kMatVec,
                                              F32(U), lay, nullptr, nullptr, F32(gbar), w, nullptr,
-                                             F32(phi_bar), nullptr, s),
+                                             F32(phi_bar), nullptr, false, s),
                       "TypeReadsBackward kernel");
   }
 
@@ -346,7 +398,7 @@ class CudaSmatKernels final : public SmatKernels {
     const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * P, 1, P};
     return CudaStatus(LaunchSmatGroupedReads(d, groups, SegmentsFor(groups), SmatReadKind::kBoth,
                                              F32(F_bar), lay, psi.raw(), v.raw(), nullptr, w,
-                                             nullptr, F32(psi_bar), F32(v_bar), s),
+                                             nullptr, F32(psi_bar), F32(v_bar), false, s),
                       "ProfilePoolingBackward kernel");
   }
 
@@ -394,7 +446,7 @@ class CudaSmatKernels final : public SmatKernels {
                                     const Tensor& psi, const Tensor& v, const Tensor& lam,
                                     const Tensor& chunk_decay, const Tensor& S_in,
                                     const Tensor& gbar, const Tensor& D_bar, Tensor* phi_bar,
-                                    Tensor* psi_bar, Tensor* v_bar, SmatGradWrite write,
+                                    Tensor* psi_bar, Tensor* v_bar, SmatWrite write,
                                     Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
@@ -408,11 +460,10 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
     SMAT_ASSIGN_OR_RETURN(int qtile, ChunkTile(d, false));
     SMAT_ASSIGN_OR_RETURN(int ktile, ChunkTile(d, true));
-    return CudaStatus(LaunchSmatChunkOutputsBackward(d, qtile, ktile, phi.raw(), psi.raw(), v.raw(),
-                                                     F32(lam), F32(chunk_decay), F32(S_in),
-                                                     F32(gbar), F32(D_bar), F32(phi_bar),
-                                                     F32(psi_bar), F32(v_bar),
-                                                     write == SmatGradWrite::kAssign, s),
+    return CudaStatus(LaunchSmatChunkOutputsBackward(
+                          d, qtile, ktile, phi.raw(), psi.raw(), v.raw(), F32(lam),
+                          F32(chunk_decay), F32(S_in), F32(gbar), F32(D_bar), F32(phi_bar),
+                          F32(psi_bar), F32(v_bar), write == SmatWrite::kAssign, s),
                       "ChunkOutputsBackward kernel");
   }
 

@@ -95,9 +95,12 @@ cudaError_t LaunchSmatChunkScanBackward(const SmatCudaDims& dims, const float* S
                                         float* D_bar, float* span_state_grad,
                                         cudaStream_t stream);
 
-// F8 and B1. o and d_o have the dtype flagged by o_bf16 / do_bf16.
+// F8 and B1. o and d_o have the dtype flagged by o_bf16 / do_bf16. With
+// `reads` (else null), the rows of tokens i >= recent_begin of the span divide
+// ybar_i + reads_i (SmatKernels::NormalizedOutputs).
 cudaError_t LaunchSmatNormalize(const SmatCudaDims& dims, const float* ybar, float eps, void* o,
-                                bool o_bf16, float* den, cudaStream_t stream);
+                                bool o_bf16, float* den, const float* reads, int64_t recent_begin,
+                                cudaStream_t stream);
 cudaError_t LaunchSmatNormalizeBackward(const SmatCudaDims& dims, const void* d_o, bool do_bf16,
                                         const void* o, bool o_bf16, const float* den, float eps,
                                         float* gbar, float* dlam_row, cudaStream_t stream);
@@ -129,7 +132,8 @@ cudaError_t LaunchSmatReduceSegments(const SmatCudaDims& dims, int num_groups, i
                                      cudaStream_t stream);
 
 // Per-token products with the group's r x p matrix M (layout `m_layout`, one
-// segment), += into fp32 outputs:
+// segment), += into fp32 outputs (out_p: = when assign_p, for
+// SmatWrite::kAssign); the product with w_i is rounded before it is added:
 //   kVecMat (F7):  out_p[i] += w_i a_i^T M       (a = phi, out_p [batch, L, H, p])
 //   kMatVec (B2):  out_r[i] += w_i M g_i         (g = gbar fp32, out_r [batch, L, H, r])
 //   kBoth   (B4):  out_r[i] += w_i M vbar_i, out_v[i] += w_i (M^T a_i)[0:dv]
@@ -137,10 +141,9 @@ cudaError_t LaunchSmatReduceSegments(const SmatCudaDims& dims, int num_groups, i
 enum class SmatReadKind : int { kVecMat = 0, kMatVec = 1, kBoth = 2 };
 cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& dims, const SmatTokenGroups& groups,
                                    int segments, SmatReadKind kind, const float* M,
-                                   const SmatMatrixLayout& m_layout, const void* a,
-                                   const void* v, const float* g, const SmatTokenWeights& w,
-                                   float* out_p, float* out_r, float* out_v,
-                                   cudaStream_t stream);
+                                   const SmatMatrixLayout& m_layout, const void* a, const void* v,
+                                   const float* g, const SmatTokenWeights& w, float* out_p,
+                                   float* out_r, float* out_v, bool assign_p, cudaStream_t stream);
 
 // out[bh, g] = sum_{j in list[g]} in[bh, items[j]] for W-wide rows, lists in
 // CSR form (offsets [G_out + 1], items: `entries` in all), summed in list
@@ -164,13 +167,18 @@ cudaError_t LaunchSmatGroupByContent(const SmatCudaDims& dims, const int32_t* ma
 // `smem_limit` bytes for the chunk kernels, or 0 when none does.
 int SmatChunkTileRows(const SmatCudaDims& dims, int64_t smem_limit, bool backward_keys);
 
+// Whether LaunchSmatChunkOutputs runs the fused bf16 tile (smat_chunk_fwd_mma.cu)
+// for `dims` and LaunchSmatNormalizedOutputsFused can stand in for it with the
+// reads and the division (SmatKernels::NormalizedOutputs).
+bool SmatNormalizedOutputsFused(const SmatCudaDims& dims);
+
 // F6: ybar (written in full for every token of the span).
 cudaError_t LaunchSmatChunkOutputs(const SmatCudaDims& dims, int tile, const void* phi,
                                    const void* psi, const void* v, const float* lam,
                                    const float* S_in, float* ybar, cudaStream_t stream);
 
 // B7 (eq. 19): phi_bar += (query tiles), then psi_bar, v_bar += (key tiles);
-// assign: = in place of += (SmatGradWrite::kAssign).
+// assign: = in place of += (SmatWrite::kAssign).
 cudaError_t LaunchSmatChunkOutputsBackward(const SmatCudaDims& dims, int query_tile, int key_tile,
                                            const void* phi, const void* psi, const void* v,
                                            const float* lam, const float* chunk_decay,
@@ -206,7 +214,7 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& dims, const SmatToken
                                        int segments, SmatReadKind kind, const float* M,
                                        const SmatMatrixLayout& m_layout, const void* a,
                                        const void* v, const float* g, const SmatTokenWeights& w,
-                                       float* out_p, float* out_r, float* out_v,
+                                       float* out_p, float* out_r, float* out_v, bool assign_p,
                                        cudaStream_t stream);
 cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& dims, const void* phi, const void* psi,
                                        const void* v, const float* lam, const float* S_in,
@@ -231,6 +239,9 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const v
 // (smat_chunk_bwd_mma.cu), fp32 inputs as three tiles.
 bool SmatChunkMmaTilesFit(const SmatCudaDims& dims);
 bool SmatUseMmaChunkTiles(const SmatCudaDims& dims, bool backward);
+// SmatUseMmaChunkTiles (forward) and LaunchSmatChunkOutputsMma runs the fused
+// bf16 kernel of smat_chunk_fwd_mma.cu.
+bool SmatChunkMmaForwardFused(const SmatCudaDims& dims);
 int64_t SmatChunkMmaTilesSmemBytes();
 cudaError_t LaunchSmatChunkOutputsMma(const SmatCudaDims& dims, const void* phi, const void* psi,
                                       const void* v, const float* lam, const float* S_in,
@@ -252,6 +263,18 @@ cudaError_t LaunchSmatChunkOutputsForwardFused(const SmatCudaDims& dims, const v
                                                const void* psi, const void* v, const float* lam,
                                                const float* S_in, float* ybar,
                                                cudaStream_t stream);
+// The same kernel finishing the outputs (SmatKernels::NormalizedOutputs), for
+// SmatChunkForwardFusedFits and dv >= 32 (the normaliser's column in the
+// right halves of the rows):
+// ybar_t + reads_t for t >= recent_begin (local tokens), then den and bf16 o,
+// with the arithmetic of LaunchSmatNormalize, so the bits are those of the
+// three phases.
+cudaError_t LaunchSmatNormalizedOutputsFused(const SmatCudaDims& dims, const void* phi,
+                                             const void* psi, const void* v, const float* lam,
+                                             const float* S_in, const float* reads,
+                                             int64_t recent_begin, float eps, void* o, float* den,
+                                             cudaStream_t stream);
+bool SmatNormalizedOutputsFusedFits(const SmatCudaDims& dims);
 
 // ---- smat_chunk_bwd_mma.cu ------------------------------------------------------
 

@@ -116,7 +116,8 @@ __global__ void GroupedReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int s
                                    SmatMatrixLayout lay, const void* __restrict__ a,
                                    const void* __restrict__ v, const float* __restrict__ gsrc,
                                    SmatTokenWeights tw, float* __restrict__ out_p,
-                                   float* __restrict__ out_r, float* __restrict__ out_v) {
+                                   float* __restrict__ out_r, float* __restrict__ out_v,
+                                   bool assign_p) {
   extern __shared__ float smem[];
   const int r = d.r, p = d.p, ldp = PadOdd(p);
   constexpr int kWarps = kThreads / 32;
@@ -146,7 +147,10 @@ __global__ void GroupedReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int s
       for (int n = lane; n < p; n += 32) {
         float s = 0.f;
         for (int k = 0; k < r; ++k) s = fmaf(my_a[k], m_s[k * ldp + n], s);
-        out_p[row * p + n] += w * s;
+        // The weight's product rounded on its own (no fused multiply-add), so
+        // that = and += give the same sum downstream.
+        const float x = __fmul_rn(w, s);
+        out_p[row * p + n] = assign_p ? x : out_p[row * p + n] + x;
       }
     } else {
       for (int m = lane; m < r; m += 32) {
@@ -316,11 +320,11 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
                                    int segments, SmatReadKind kind, const float* M,
                                    const SmatMatrixLayout& lay, const void* a, const void* v,
                                    const float* g, const SmatTokenWeights& w, float* out_p,
-                                   float* out_r, float* out_v, cudaStream_t stream) {
+                                   float* out_r, float* out_v, bool assign_p, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (SmatUseFastChunkTiles(d)) {
     return LaunchSmatGroupedReadsFast(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
-                                      out_v, stream);
+                                      out_v, assign_p, stream);
   }
   const size_t smem = sizeof(float) * (static_cast<size_t>(d.r) * PadOdd(d.p) +
                                        (kThreads / 32) * (d.r + d.p));
@@ -331,7 +335,7 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
   }
   const dim3 grid(segments, groups.num_groups, d.batch * d.H);
   GroupedReadsKernel<<<grid, kThreads, smem, stream>>>(d, groups, segments, kind, M, lay, a, v, g,
-                                                       w, out_p, out_r, out_v);
+                                                       w, out_p, out_r, out_v, assign_p);
   return cudaGetLastError();
 }
 

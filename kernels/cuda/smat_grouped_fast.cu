@@ -128,10 +128,12 @@ struct ReadsSmem {
 };
 
 // out[rows[t]][n] += w[t] acc[i][jj] for this thread's tokens t = m0 + i < nt
-// and columns n = n0 + jj < ncols (rows `width` wide). The old values of
-// kPass rows are loaded before any is stored, so their latencies overlap
-// (the rows may alias as far as the compiler knows); whole 16-byte pieces
-// where the rows allow.
+// and columns n = n0 + jj < ncols (rows `width` wide); = with kAssign. The
+// product w[t] acc is rounded on its own (no fused multiply-add), so that the
+// two modes give the same sums downstream. The old values of kPass rows are
+// loaded before any is stored, so their latencies overlap (the rows may alias
+// as far as the compiler knows); whole 16-byte pieces where the rows allow.
+template <bool kAssign>
 __device__ __forceinline__ void AddToRows(float* __restrict__ out, int width, int ncols,
                                           const int64_t* rows, const float* w, int m0, int n0,
                                           int nt, const float (&acc)[8][4]) {
@@ -144,7 +146,10 @@ __device__ __forceinline__ void AddToRows(float* __restrict__ out, int width, in
     for (int i = 0; i < kPass; ++i) {
       const int t = m0 + i0 + i;
       const float* o = out + rows[t < nt ? t : 0] * width + n0;
-      if (t < nt && vec) {
+      if (kAssign) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) old[i][jj] = 0.f;
+      } else if (t < nt && vec) {
         const float4 x = *reinterpret_cast<const float4*>(o);
         old[i][0] = x.x;
         old[i][1] = x.y;
@@ -163,7 +168,10 @@ __device__ __forceinline__ void AddToRows(float* __restrict__ out, int width, in
       const float wt = w[t];
       float y[4];
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) y[jj] = old[i][jj] + wt * acc[i0 + i][jj];
+      for (int jj = 0; jj < 4; ++jj) {
+        const float x = __fmul_rn(wt, acc[i0 + i][jj]);
+        y[jj] = kAssign ? x : old[i][jj] + x;
+      }
       if (vec) {
         *reinterpret_cast<float4*>(o) = make_float4(y[0], y[1], y[2], y[3]);
       } else {
@@ -176,12 +184,13 @@ __device__ __forceinline__ void AddToRows(float* __restrict__ out, int width, in
   }
 }
 
-template <SmatReadKind kRead, typename In>
+// kAssign (kVecMat only): out_p is written, not added to.
+template <SmatReadKind kRead, typename In, bool kAssign>
 __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3)
     GroupReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
                      const float* __restrict__ M, SmatMatrixLayout lay, const In* __restrict__ a,
-                     const In* __restrict__ v, const float* __restrict__ gsrc,
-                     SmatTokenWeights tw, float* __restrict__ out_p, float* __restrict__ out_r,
+                     const In* __restrict__ v, const float* __restrict__ gsrc, SmatTokenWeights tw,
+                     float* __restrict__ out_p, float* __restrict__ out_r,
                      float* __restrict__ out_v) {
   constexpr bool kA = kRead != SmatReadKind::kMatVec;  // a-side product (out_p or out_v)
   constexpr bool kG = kRead != SmatReadKind::kVecMat;  // b-side product (out_r)
@@ -224,8 +233,8 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3
       float acc[8][4];
       Zero(acc);
       Gemm<true, false>(acc, At, kC, m0, Ma, kLdF, n0, 0, r);
-      AddToRows(kRead == SmatReadKind::kVecMat ? out_p : out_v, wa, wa < kW ? wa : kW, rows, w,
-                m0, n0, nt, acc);
+      AddToRows<kAssign>(kRead == SmatReadKind::kVecMat ? out_p : out_v, wa, wa < kW ? wa : kW,
+                         rows, w, m0, n0, nt, acc);
       if (kRead == SmatReadKind::kVecMat && p > kW) {
         // Column 64: a_t . M[:, 64] in two halves of r, added in order.
         const int t = tid & (kC - 1), half = tid >> 7;
@@ -234,14 +243,18 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3
         for (int k = k0; k < k1; ++k) sum = fmaf(At[k * kC + t], __ldg(&Mk[k * p + kW]), sum);
         part[half * kC + t] = sum;
         __syncthreads();
-        if (tid < nt) out_p[rows[tid] * p + kW] += w[tid] * (part[tid] + part[kC + tid]);
+        if (tid < nt) {
+          float* o = out_p + rows[tid] * p + kW;
+          const float x = __fmul_rn(w[tid], part[tid] + part[kC + tid]);
+          *o = kAssign ? x : *o + x;
+        }
       }
     }
     if (kG) {
       float acc[8][4];
       Zero(acc);
       Gemm<true, false>(acc, Bt, kC, m0, Mg, kLdF, n0, 0, p);
-      AddToRows(out_r, r, r, rows, w, m0, n0, nt, acc);
+      AddToRows<false>(out_r, r, r, rows, w, m0, n0, nt, acc);
     }
   }
 }
@@ -249,11 +262,13 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3
 template <SmatReadKind kRead, typename In>
 struct LaunchReads {
   static cudaError_t Run(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                         const float* M, const SmatMatrixLayout& lay, const void* a,
-                         const void* v, const float* g, const SmatTokenWeights& w, float* out_p,
-                         float* out_r, float* out_v, cudaStream_t stream) {
+                         const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                         const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                         float* out_v, bool assign_p, cudaStream_t stream) {
     constexpr size_t kSmem = sizeof(float) * ReadsSmem<kRead>::kFloats;
-    auto kernel = GroupReadsKernel<kRead, In>;
+    constexpr bool kVecMat = kRead == SmatReadKind::kVecMat;
+    auto kernel =
+        assign_p ? GroupReadsKernel<kRead, In, kVecMat> : GroupReadsKernel<kRead, In, false>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
@@ -303,14 +318,15 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& d, const SmatTokenGro
                                        int segments, SmatReadKind kind, const float* M,
                                        const SmatMatrixLayout& lay, const void* a, const void* v,
                                        const float* g, const SmatTokenWeights& w, float* out_p,
-                                       float* out_r, float* out_v, cudaStream_t stream) {
+                                       float* out_r, float* out_v, bool assign_p,
+                                       cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (SmatUseMmaGrouped(d, /*reads=*/true)) {
     return LaunchSmatGroupedReadsMma(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
-                                     out_v, stream);
+                                     out_v, assign_p, stream);
   }
-  return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v,
-                                                 g, w, out_p, out_r, out_v, stream);
+  return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v, g,
+                                                w, out_p, out_r, out_v, assign_p, stream);
 }
 
 }  // namespace smat

@@ -357,13 +357,13 @@ __device__ __forceinline__ void ReadProduct(const float* As, int m0, const uint3
 }
 
 // out[rows[t] * width + n] += w[t] * (acc + cor) for the staged tokens t < nt
-// and the columns n < width of n8 tiles j0 .. j0 + kTiles - 1.
+// and the columns n < width of n8 tiles j0 .. j0 + kTiles - 1 (= with assign;
+// the weight's product rounded on its own, as in the FFMA kernel).
 template <int kTiles>
 __device__ __forceinline__ void ReadEpilogue(const float (&acc)[kTiles][4],
                                              const float (&cor)[kTiles][4], int m0, int j0,
-                                             int count, int nt,
-                                             const int64_t* rows, const float* w, int width,
-                                             float* __restrict__ out) {
+                                             int count, int nt, const int64_t* rows, const float* w,
+                                             int width, bool assign, float* __restrict__ out) {
   const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -376,7 +376,10 @@ __device__ __forceinline__ void ReadEpilogue(const float (&acc)[kTiles][4],
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int n = (j0 + j) * 8 + 2 * tig + e;
-        if (j < count && n < width) o[n] += wt * (acc[j][2 * half + e] + cor[j][2 * half + e]);
+        if (j < count && n < width) {
+          const float x = __fmul_rn(wt, acc[j][2 * half + e] + cor[j][2 * half + e]);
+          o[n] = assign ? x : o[n] + x;
+        }
       }
   }
 }
@@ -384,15 +387,15 @@ __device__ __forceinline__ void ReadEpilogue(const float (&acc)[kTiles][4],
 // One read product over the n8 tiles [0, n_tiles), in passes of at most 5
 // tiles (the accumulators of a pass stay in registers).
 template <int kAParts>
-__device__ __forceinline__ void ReadAll(const float* As, int m0, const uint32_t* planes,
-                                        int words, int ld, int n_tiles, int ksteps, int nt,
-                                        const int64_t* rows, const float* w, int width,
+__device__ __forceinline__ void ReadAll(const float* As, int m0, const uint32_t* planes, int words,
+                                        int ld, int n_tiles, int ksteps, int nt,
+                                        const int64_t* rows, const float* w, int width, bool assign,
                                         float* __restrict__ out) {
   for (int j0 = 0; j0 < n_tiles; j0 += 5) {
     const int count = min(5, n_tiles - j0);
     float acc[5][4], cor[5][4];
     ReadProduct<kAParts, 5>(As, m0, planes, words, ld, j0, count, ksteps, acc, cor);
-    ReadEpilogue<5>(acc, cor, m0, j0, count, nt, rows, w, width, out);
+    ReadEpilogue<5>(acc, cor, m0, j0, count, nt, rows, w, width, assign, out);
   }
 }
 
@@ -402,8 +405,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     ReadsMmaKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
                    const float* __restrict__ M, SmatMatrixLayout lay, const In* __restrict__ a,
                    const In* __restrict__ v, const float* __restrict__ gsrc, SmatTokenWeights tw,
-                   float* __restrict__ out_p, float* __restrict__ out_r,
-                   float* __restrict__ out_v) {
+                   float* __restrict__ out_p, float* __restrict__ out_r, float* __restrict__ out_v,
+                   bool assign_p) {
   using fast_tiles::ListedRows;
   using fast_tiles::StageRows;
   constexpr int kTokenParts = std::is_same_v<In, float> ? 3 : 1;
@@ -432,19 +435,21 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (kRead == SmatReadKind::kVecMat) {
       StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, As, kLdA, 16 * kr);
       __syncthreads();
-      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (p + 7) >> 3, kr, nt, rows, w, p, out_p);
+      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (p + 7) >> 3, kr, nt, rows, w, p, assign_p,
+                           out_p);
     } else if (kRead == SmatReadKind::kMatVec) {
       StageRows(ListedRows<float>{gsrc, rows, p}, nt, p, false, As, kLdA, 16 * kp);
       __syncthreads();
-      ReadAll<3>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, out_r);
+      ReadAll<3>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, false, out_r);
     } else {
       StageRows(ListedRows<In>{v, rows, dv}, nt, dv, vec_in, As, kLdA, 16 * kp, dv);
       __syncthreads();
-      ReadAll<kTokenParts>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, out_r);
+      ReadAll<kTokenParts>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, false,
+                           out_r);
       __syncthreads();  // As is restaged with a
       StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, As, kLdA, 16 * kr);
       __syncthreads();
-      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (dv + 7) >> 3, kr, nt, rows, w, dv,
+      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (dv + 7) >> 3, kr, nt, rows, w, dv, false,
                            out_v);
     }
   }
@@ -453,9 +458,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 template <SmatReadKind kRead, typename In>
 struct LaunchReads {
   static cudaError_t Run(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                         const float* M, const SmatMatrixLayout& lay, const void* a,
-                         const void* v, const float* g, const SmatTokenWeights& w, float* out_p,
-                         float* out_r, float* out_v, cudaStream_t stream) {
+                         const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                         const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                         float* out_v, bool assign_p, cudaStream_t stream) {
     auto kernel = ReadsMmaKernel<kRead, In>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadsSmemBytes);
@@ -468,7 +473,7 @@ struct LaunchReads {
     const dim3 grid(segments, groups.num_groups, d.batch * d.H);
     kernel<<<grid, kThreads, kReadsSmemBytes, stream>>>(
         d, groups, segments, vec, M, lay, static_cast<const In*>(a), static_cast<const In*>(v), g,
-        w, out_p, out_r, out_v);
+        w, out_p, out_r, out_v, assign_p);
     return cudaGetLastError();
   }
 };
@@ -504,10 +509,11 @@ cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& d, const SmatTokenGrou
                                       int segments, SmatReadKind kind, const float* M,
                                       const SmatMatrixLayout& lay, const void* a, const void* v,
                                       const float* g, const SmatTokenWeights& w, float* out_p,
-                                      float* out_r, float* out_v, cudaStream_t stream) {
+                                      float* out_r, float* out_v, bool assign_p,
+                                      cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v,
-                                                 g, w, out_p, out_r, out_v, stream);
+  return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v, g,
+                                                w, out_p, out_r, out_v, assign_p, stream);
 }
 
 }  // namespace smat

@@ -39,7 +39,7 @@ cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& dims, const SmatTokenG
                                       int segments, SmatReadKind kind, const float* M,
                                       const SmatMatrixLayout& m_layout, const void* a,
                                       const void* v, const float* g, const SmatTokenWeights& w,
-                                      float* out_p, float* out_r, float* out_v,
+                                      float* out_p, float* out_r, float* out_v, bool assign_p,
                                       cudaStream_t stream);
 
 }  // namespace smat

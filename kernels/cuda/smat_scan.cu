@@ -203,21 +203,40 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
 // row (kV = 2: pairs, dv even). Indices are 32-bit inside the tile.
 constexpr int kNormRows = 64;
 
-template <int kV>
-__global__ void NormalizeKernel(SmatCudaDims d, int64_t rows_total,
-                                const float* __restrict__ ybar, float eps, void* __restrict__ o,
-                                bool o_bf16, float* __restrict__ den) {
+// kReads: the rows of recent tokens (local index >= recent_begin) divide
+// ybar + reads, as the three phases of F6-F8 would. o = ybar * (1 / den), one
+// reciprocal per row: the fused outputs kernel (smat_chunk_fwd_mma.cu)
+// computes o the same way, bit for bit.
+template <int kV, bool kReads>
+__global__ void NormalizeKernel(SmatCudaDims d, int64_t rows_total, const float* __restrict__ ybar,
+                                float eps, void* __restrict__ o, bool o_bf16,
+                                float* __restrict__ den, const float* __restrict__ reads,
+                                int64_t recent_begin) {
+  __shared__ bool recent[kNormRows];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kNormRows;
   const int rows = static_cast<int>(cuda_detail::Min64(kNormRows, rows_total - row0));
   const int p = d.p, dv = d.dv;
   const float* y = ybar + row0 * p;
+  const float* x = kReads ? reads + row0 * p : nullptr;
+  if (kReads) {
+    for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+      recent[row] = ((row0 + row) / d.H) % d.L >= recent_begin;
+    }
+    __syncthreads();
+  }
+  // Element j of the tile's row `row`, with its read where it has one.
+  auto at = [&](int row, int j) {
+    const float a = y[row * p + j];
+    if (!kReads || !recent[row]) return a;
+    return a + x[row * p + j];
+  };
   const int64_t o0 = row0 * dv;
   for (int e = threadIdx.x * kV; e < rows * dv; e += blockDim.x * kV) {
     const int row = e / dv, j = e - row * dv;
-    const float dn = y[row * p + dv] + eps;
+    const float inv = 1.f / (at(row, dv) + eps);
     float val[kV];
 #pragma unroll
-    for (int u = 0; u < kV; ++u) val[u] = y[row * p + j + u] / dn;
+    for (int u = 0; u < kV; ++u) val[u] = __fmul_rn(at(row, j + u), inv);
     if constexpr (kV == 2) {
       if (o_bf16) {
         reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(o) + o0)[e >> 1] =
@@ -232,7 +251,7 @@ __global__ void NormalizeKernel(SmatCudaDims d, int64_t rows_total,
       static_cast<float*>(o)[o0 + e] = val[0];
     }
   }
-  for (int row = threadIdx.x; row < rows; row += blockDim.x) den[row0 + row] = y[row * p + dv] + eps;
+  for (int row = threadIdx.x; row < rows; row += blockDim.x) den[row0 + row] = at(row, dv) + eps;
 }
 
 // ---- B1 ---------------------------------------------------------------------------
@@ -445,15 +464,15 @@ cudaError_t LaunchSmatChunkScanBackward(const SmatCudaDims& d, const float* S_in
 }
 
 cudaError_t LaunchSmatNormalize(const SmatCudaDims& d, const float* ybar, float eps, void* o,
-                                bool o_bf16, float* den, cudaStream_t stream) {
+                                bool o_bf16, float* den, const float* reads, int64_t recent_begin,
+                                cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(d.batch) * d.L * d.H;
   if (rows == 0) return cudaSuccess;
   const int64_t blocks = (rows + kNormRows - 1) / kNormRows;
-  if (d.dv % 2 == 0) {
-    NormalizeKernel<2><<<blocks, kThreads, 0, stream>>>(d, rows, ybar, eps, o, o_bf16, den);
-  } else {
-    NormalizeKernel<1><<<blocks, kThreads, 0, stream>>>(d, rows, ybar, eps, o, o_bf16, den);
-  }
+  auto kernel = d.dv % 2 == 0
+                    ? (reads != nullptr ? NormalizeKernel<2, true> : NormalizeKernel<2, false>)
+                    : (reads != nullptr ? NormalizeKernel<1, true> : NormalizeKernel<1, false>);
+  kernel<<<blocks, kThreads, 0, stream>>>(d, rows, ybar, eps, o, o_bf16, den, reads, recent_begin);
   return cudaGetLastError();
 }
 

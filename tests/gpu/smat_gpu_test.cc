@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -356,7 +357,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     pb.Compare("ChunkOutputs", "ybar", tol, true);
     both("TypeReads", [&](SmatKernels& k, const Get& t, const Opt& o) {
       return k.TypeReads(plan, span, t("phi"), t("U"), o("lam"), o("chunk_decay"),
-                         o("recent_offset"), o("type"), &t("ybar"), nullptr);
+                         o("recent_offset"), o("type"), &t("ybar"), SmatWrite::kAdd, nullptr);
     });
     pb.Compare("TypeReads", "ybar", tol, true);
     // The normaliser must stay positive for o to mean anything: take |ybar|.
@@ -375,6 +376,67 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     });
     pb.Compare("Normalize", "o", cs.bf16 ? kBf16OutTol : tol, true);
     pb.Compare("Normalize", "den", tol, true);
+    // F6 + F7 + F8 in one (the forward's path): TypeReads writes the recent
+    // rows of `reads` (random elsewhere: those must survive, and the fused
+    // phase must not read them); then o and den from NaN. Non-negative states
+    // and tables keep every normaliser positive, as the features are.
+    {
+      auto put_abs = [&](const char* from, const char* to) {
+        Tensor x = Tensor::Empty(pb.C(from).shape(), DType::kF32).value();
+        for (int64_t i = 0; i < x.numel(); ++i) {
+          x.data<float>()[i] = std::abs(pb.C(from).data<float>()[i]);
+        }
+        pb.Put(to, x);
+      };
+      put_abs("S_in", "S_in_pos");
+      put_abs("U", "U_pos");
+      pb.Acc("reads", {b, L, H, p}, 112);
+      both("TypeReads (=)", [&](SmatKernels& k, const Get& t, const Opt& o) {
+        return k.TypeReads(plan, span, t("phi"), t("U_pos"), o("lam"), o("chunk_decay"),
+                           o("recent_offset"), o("type"), &t("reads"), SmatWrite::kAssign, nullptr);
+      });
+      // n = 0: every row is recent and reads nothing, so all are zero.
+      pb.Compare("TypeReads (=)", "reads", tol, plan.n > 0);
+      pb.Out("o_fused", {b, L, H, dv});
+      pb.G("o_fused") = Tensor::Empty({b, L, H, dv}, o_dev_host.dtype(), gpu_->allocator()).value();
+      SMAT_ASSERT_OK(gpu_->Fill(pb.G("o_fused"), std::nan("")));
+      pb.Out("den_fused", {b, L, H});
+      both("NormalizedOutputs", [&](SmatKernels& k, const Get& t, const Opt& o) {
+        return k.NormalizedOutputs(plan, span, t("phi"), t("psi"), t("v"), o("lam"), t("S_in_pos"),
+                                   t("reads"), static_cast<float>(sp.eps), &t("o_fused"),
+                                   &t("den_fused"), nullptr);
+      });
+      // On the GPU alone, from the GPU's own reads: the same bits as its three
+      // phases (ChunkOutputs, TypeReads +=, Normalize).
+      auto empty = [&](const Shape& shape, DType dtype) {
+        return Tensor::Empty(shape, dtype, gpu_->allocator()).value();
+      };
+      const DType o_dtype = o_dev_host.dtype();
+      Tensor reads_g = empty({b, L, H, p}, DType::kF32), ybar3 = empty({b, L, H, p}, DType::kF32);
+      Tensor o_a = empty({b, L, H, dv}, o_dtype), o_b = empty({b, L, H, dv}, o_dtype);
+      Tensor den_a = empty({b, L, H}, DType::kF32), den_b = empty({b, L, H}, DType::kF32);
+      const float eps = static_cast<float>(sp.eps);
+      SMAT_ASSERT_OK(gk->TypeReads(plan, span, pb.G("phi"), pb.G("U_pos"), pb.GU("lam"),
+                                   pb.GU("chunk_decay"), pb.GU("recent_offset"), pb.GU("type"),
+                                   &reads_g, SmatWrite::kAssign, nullptr));
+      SMAT_ASSERT_OK(gk->NormalizedOutputs(plan, span, pb.G("phi"), pb.G("psi"), pb.G("v"),
+                                           pb.GU("lam"), pb.G("S_in_pos"), reads_g, eps, &o_a,
+                                           &den_a, nullptr));
+      SMAT_ASSERT_OK(gk->ChunkOutputs(plan, span, pb.G("phi"), pb.G("psi"), pb.G("v"), pb.GU("lam"),
+                                      pb.G("S_in_pos"), &ybar3, nullptr));
+      SMAT_ASSERT_OK(gk->TypeReads(plan, span, pb.G("phi"), pb.G("U_pos"), pb.GU("lam"),
+                                   pb.GU("chunk_decay"), pb.GU("recent_offset"), pb.GU("type"),
+                                   &ybar3, SmatWrite::kAdd, nullptr));
+      SMAT_ASSERT_OK(gk->Normalize(ybar3, eps, &o_b, &den_b, nullptr));
+      for (const auto& [what, fused, three] :
+           {std::tuple{"o", &o_a, &o_b}, std::tuple{"den", &den_a, &den_b}}) {
+        const Tensor x = ToHost(*gpu_, *fused).value(), y = ToHost(*gpu_, *three).value();
+        EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
+            << what << ": NormalizedOutputs differs in bits from the three phases";
+      }
+      pb.Compare("NormalizedOutputs", "o_fused", cs.bf16 ? kBf16OutTol : tol, true);
+      pb.Compare("NormalizedOutputs", "den_fused", tol, true);
+    }
     // Backward starts from the CPU's fp32 o on both sides.
     pb.Put("o", pb.C("o"));
 
@@ -429,10 +491,9 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     pb.Compare("ChunkScanBackward", "D_bar", tol, true);
     pb.Compare("ChunkScanBackward", "state_grad", tol, true);
     both("ChunkOutputsBackward", [&](SmatKernels& k, const Get& t, const Opt& o) {
-      return k.ChunkOutputsBackward(plan, span, t("phi"), t("psi"), t("v"), o("lam"),
-                                    o("chunk_decay"), t("S_in"), t("gbar"), t("D_bar"),
-                                    &t("phi_bar"), &t("psi_bar"), &t("v_bar"),
-                                    SmatGradWrite::kAdd, nullptr);
+      return k.ChunkOutputsBackward(
+          plan, span, t("phi"), t("psi"), t("v"), o("lam"), o("chunk_decay"), t("S_in"), t("gbar"),
+          t("D_bar"), &t("phi_bar"), &t("psi_bar"), &t("v_bar"), SmatWrite::kAdd, nullptr);
     });
     pb.Compare("ChunkOutputsBackward", "phi_bar", tol, true);
     pb.Compare("ChunkOutputsBackward", "psi_bar", tol, true);
@@ -446,7 +507,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       return k.ChunkOutputsBackward(plan, span, t("phi"), t("psi"), t("v"), o("lam"),
                                     o("chunk_decay"), t("S_in"), t("gbar"), t("D_bar"),
                                     &t("phi_bar_set"), &t("psi_bar_set"), &t("v_bar_set"),
-                                    SmatGradWrite::kAssign, nullptr);
+                                    SmatWrite::kAssign, nullptr);
     });
     pb.Compare("ChunkOutputsBackward (=)", "phi_bar_set", tol, true);
     pb.Compare("ChunkOutputsBackward (=)", "psi_bar_set", tol, true);

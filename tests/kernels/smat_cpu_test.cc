@@ -309,7 +309,7 @@ TEST(SmatCpuTest, BackwardPhaseTablesMatchDirectSums) {
   }
 }
 
-// B7 with SmatGradWrite::kAssign writes every gradient element of the span
+// B7 with SmatWrite::kAssign writes every gradient element of the span
 // (from NaN-filled outputs) and equals kAdd from zeros, bit for bit; kAdd
 // adds to what is there.
 TEST(SmatCpuTest, ChunkOutputsBackwardWritesOrAdds) {
@@ -329,7 +329,7 @@ TEST(SmatCpuTest, ChunkOutputsBackwardWritesOrAdds) {
                 Lc = plan->num_chunks;
   const Tensor gbar = ToF32(RandomVector(b * T * H * p, 22), {b, T, H, p});
   const Tensor D_bar = ToF32(RandomVector(b * Lc * H * r * p, 23), {b, Lc, H, r, p});
-  auto run = [&](SmatGradWrite write, const std::vector<double>& start_r,
+  auto run = [&](SmatWrite write, const std::vector<double>& start_r,
                  const std::vector<double>& start_v) {
     std::vector<Tensor> out = {ToF32(start_r, {b, T, H, r}), ToF32(start_r, {b, T, H, r}),
                                ToF32(start_v, {b, T, H, dv})};
@@ -342,12 +342,12 @@ TEST(SmatCpuTest, ChunkOutputsBackwardWritesOrAdds) {
                                             ToDouble(out[2])};
   };
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const auto set = run(SmatGradWrite::kAssign, std::vector<double>(b * T * H * r, nan),
+  const auto set = run(SmatWrite::kAssign, std::vector<double>(b * T * H * r, nan),
                        std::vector<double>(b * T * H * dv, nan));
-  const auto from_zero = run(SmatGradWrite::kAdd, std::vector<double>(b * T * H * r, 0.0),
+  const auto from_zero = run(SmatWrite::kAdd, std::vector<double>(b * T * H * r, 0.0),
                              std::vector<double>(b * T * H * dv, 0.0));
   const std::vector<double> xr = RandomVector(b * T * H * r, 24), xv = RandomVector(b * T * H * dv, 25);
-  const auto added = run(SmatGradWrite::kAdd, xr, xv);
+  const auto added = run(SmatWrite::kAdd, xr, xv);
   for (int i = 0; i < 3; ++i) {
     SCOPED_TRACE(i);
     const std::vector<double>& x = i < 2 ? xr : xv;

@@ -3,6 +3,7 @@
 // its own, the cross-span quantities folded by hand exactly as a
 // sequence-parallel composer does (SPANS (i)-(iv) and the backward folds),
 // must equal the single-span op: outputs and every gradient.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -213,11 +214,30 @@ void CheckSpansEqualWhole(const ProblemSpec& s, const std::vector<int64_t>& cuts
                                &st.ybar, nullptr).ok());
     ASSERT_TRUE(k.TypeReads(plan, st.span, st.in.phi, U, st.lam, st.cd,
                             s.gated ? st.recent_offset : Tensor(), st.in.type, &st.ybar,
-                            nullptr).ok());
+                            SmatWrite::kAdd, nullptr)
+                    .ok());
     st.o = F32({batch, L, H, dv});
     st.den = F32({batch, L, H});
     ASSERT_TRUE(k.Normalize(st.ybar, whole.eps, &st.o, &st.den, nullptr).ok());
     ASSERT_TRUE(AllFinite(st.o));
+    // The fused outputs equal the three phases. The reads start as NaN: their
+    // recent rows must be written and their distant rows never read.
+    Tensor reads = F32({batch, L, H, p});
+    std::fill(reads.data<float>(), reads.data<float>() + reads.numel(), std::nanf(""));
+    ASSERT_TRUE(k.TypeReads(plan, st.span, st.in.phi, U, st.lam, st.cd,
+                            s.gated ? st.recent_offset : Tensor(), st.in.type, &reads,
+                            SmatWrite::kAssign, nullptr)
+                    .ok());
+    Tensor o2 = F32({batch, L, H, dv}), den2 = F32({batch, L, H});
+    ASSERT_TRUE(k.NormalizedOutputs(plan, st.span, st.in.phi, st.in.psi, st.in.v, st.lam, st.S_in,
+                                    reads, whole.eps, &o2, &den2, nullptr)
+                    .ok());
+    for (int64_t e = 0; e < o2.numel(); ++e) {
+      ASSERT_EQ(o2.data<float>()[e], st.o.data<float>()[e]) << "o element " << e;
+    }
+    for (int64_t e = 0; e < den2.numel(); ++e) {
+      ASSERT_EQ(den2.data<float>()[e], st.den.data<float>()[e]) << "den element " << e;
+    }
     Place(st.o, st.span, T, &o_spans);
   }
   const std::vector<double> o_whole = ToDouble(fwd.o);
@@ -273,9 +293,10 @@ void CheckSpansEqualWhole(const ProblemSpec& s, const std::vector<int64_t>& cuts
     ASSERT_TRUE(k.ChunkScanBackward(plan, st.span, Sbar[i], st.cd, incoming_grad, &Dbar, &G2,
                                     nullptr).ok());
     ASSERT_TRUE(AllFinite(Dbar));
-    ASSERT_TRUE(k.ChunkOutputsBackward(plan, st.span, st.in.phi, st.in.psi, st.in.v, st.lam,
-                                       st.cd, st.S_in, gbar[i], Dbar, &phib[i], &psib[i], &vb[i],
-                                       SmatGradWrite::kAdd, nullptr).ok());
+    ASSERT_TRUE(k.ChunkOutputsBackward(plan, st.span, st.in.phi, st.in.psi, st.in.v, st.lam, st.cd,
+                                       st.S_in, gbar[i], Dbar, &phib[i], &psib[i], &vb[i],
+                                       SmatWrite::kAdd, nullptr)
+                    .ok());
     ASSERT_TRUE(k.ProfilePoolingBackward(plan, st.span, st.in.psi, st.in.v, st.lam, st.cd,
                                          s.gated ? st.tail : Tensor(), st.in.prof, F_bar,
                                          &psib[i], &vb[i], nullptr).ok());
