@@ -116,20 +116,31 @@ __device__ __forceinline__ int64_t MatrixIndex(const SmatMatrixLayout& l, int b,
          static_cast<int64_t>(h) * l.oh;
 }
 
-// The share of a grouped product that one block of grid (segments, G,
-// batch * H) works on: group grp of (b, h), the tokens [lo, hi) of its list
-// (segment seg of `segments` equal parts).
+// The grid of a grouped product: (batch * H, segments, G). The heads of a
+// token run side by side (x varies fastest), so the blocks that touch one
+// token's rows of all heads ([b, t, H, width], contiguous) run together:
+// rows whose width is not a multiple of 8 floats (ybar's p = dv + 1) share
+// 32-byte sectors with the next head's, and those sectors fill in L2 while
+// they are resident instead of being read back from memory.
+inline dim3 GroupGrid(int segments, int64_t groups, int64_t batch_heads) {
+  return dim3(static_cast<unsigned>(batch_heads), static_cast<unsigned>(segments),
+              static_cast<unsigned>(groups));
+}
+
+// The share of a grouped product that one block of GroupGrid works on: group
+// grp of (b, h), the tokens [lo, hi) of its list (segment seg of `segments`
+// equal parts).
 struct GroupBlock {
   int seg, grp, b, h;
   GroupCursor cur;
   int64_t lo = 0, hi = 0;
 
   __device__ GroupBlock(const SmatTokenGroups& groups, const SmatCudaDims& d, int segments)
-      : seg(blockIdx.x),
-        grp(blockIdx.y),
-        b(blockIdx.z / d.H),
-        h(blockIdx.z % d.H),
-        cur(groups, d, blockIdx.z, blockIdx.y) {
+      : seg(blockIdx.y),
+        grp(blockIdx.z),
+        b(blockIdx.x / d.H),
+        h(blockIdx.x % d.H),
+        cur(groups, d, blockIdx.x, blockIdx.z) {
     SegmentRange(cur.count, segments, seg, &lo, &hi);
   }
 

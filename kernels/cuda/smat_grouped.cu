@@ -43,7 +43,7 @@ using cuda_detail::ZeroAcc;
 
 constexpr int kTokenTile = 32;  // tokens staged in shared memory per step
 
-// grid (segments, G, batch * H). Shared: a tile [kTokenTile][r], b tile
+// GroupGrid (batch * H, segments, G). Shared: a tile [kTokenTile][r], b tile
 // [kTokenTile][p], weights [kTokenTile].
 __global__ void GroupedOuterSumKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
                                       const void* __restrict__ a, const void* __restrict__ bsrc,
@@ -109,7 +109,7 @@ __global__ void ReduceSegmentsKernel(SmatCudaDims d, int num_groups, int segment
   out[cuda_detail::MatrixIndex(lay, b, g, h) * W + w] = acc;
 }
 
-// grid (segments, G, batch * H), 8 warps; a warp handles one token at a time.
+// GroupGrid (batch * H, segments, G), 8 warps; a warp handles one token at a time.
 // Shared: M [r][PadOdd(p)], per-warp vectors a [8][r] and b [8][p].
 __global__ void GroupedReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
                                    SmatReadKind kind, const float* __restrict__ M,
@@ -300,7 +300,7 @@ cudaError_t LaunchSmatGroupedOuterSum(const SmatCudaDims& d, const SmatTokenGrou
     return LaunchSmatGroupedOuterSumFast(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
   }
   const size_t smem = sizeof(float) * (kTokenTile * (d.r + d.p) + kTokenTile);
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   GroupedOuterSumKernel<<<grid, kThreads, smem, stream>>>(d, groups, segments, a, b, b_is_v, w,
                                                           lay, out);
   return cudaGetLastError();
@@ -333,7 +333,7 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
         GroupedReadsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   GroupedReadsKernel<<<grid, kThreads, smem, stream>>>(d, groups, segments, kind, M, lay, a, v, g,
                                                        w, out_p, out_r, out_v, assign_p);
   return cudaGetLastError();

@@ -21,8 +21,8 @@ using namespace fast_tiles;  // NOLINT: the tile pieces are this file's vocabula
 // ---- grouped outer sums: chunk summaries (F2), pooling, state gradients ------
 // out[(b, g, h), seg] = sum over the segment's tokens i of group g of
 // (w_i a_i) b_i^T (r x p): a = psi or phi (input dtype), b = vbar = [v, 1] or
-// gbar (fp32, width p); LaunchSmatGroupedOuterSum's contract. grid (segments,
-// G, batch * H), 256 threads, 128 tokens staged at a time; a thread owns 4 x 4
+// gbar (fp32, width p); LaunchSmatGroupedOuterSum's contract. GroupGrid
+// (batch * H, segments, G), 256 threads, 128 tokens staged at a time; a thread owns 4 x 4
 // outputs (16-byte operand loads, tokens in list order), and 4 threads per row
 // add column 64 (p = 65), each over every 4th token, combined in a fixed
 // order. Shared: A [kC][kW], B [kC][kLdB], w [kC], rows [kC] (int64).
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kThreads)
 //   kVecMat: out_p[i] += w_i (a_i^T M)          A^T [r][128] x M [r][p]
 //   kMatVec: out_r[i] += w_i (M g_i)            G^T [p][128] x M^T [p][r]
 //   kBoth:   out_r[i] += w_i (M vbar_i),  out_v[i] += w_i (M^T a_i)[0:dv]
-// grid (segments, G, batch * H), 256 threads; rows = tokens (8 per thread),
+// GroupGrid (batch * H, segments, G), 256 threads; rows = tokens (8 per thread),
 // 4 columns per thread, k in increasing order; column 64 of out_p (p = 65) by
 // two half sums added in order. Shared: Ma [64][kLdF] = M and At [64][kC]
 // (kinds with an a-side product), Mg [kK1][kLdF] = M^T and Bt [kK1][kC] (kinds
@@ -274,7 +274,7 @@ struct LaunchReads {
     if (err != cudaSuccess) return err;
     constexpr int V = 16 / sizeof(In);
     const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
-    const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+    const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
     kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments, vec, M, lay,
                                               static_cast<const In*>(a), static_cast<const In*>(v),
                                               g, w, out_p, out_r, out_v);
@@ -293,7 +293,7 @@ cudaError_t LaunchOuter(const SmatCudaDims& d, const SmatTokenGroups& groups, in
   if (err != cudaSuccess) return err;
   constexpr int V = 16 / sizeof(In);
   const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && (!b_is_v || Aligned16(b));
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments, vec, static_cast<const In*>(a), b,
                                             b_is_v, w, lay, out);
   return cudaGetLastError();

@@ -145,7 +145,7 @@ __device__ void StageKMajor(const T* __restrict__ src, const int64_t* rows, int 
   }
 }
 
-// grid (segments, G, batch * H), kThreads threads, kSmemBytes of shared memory.
+// GroupGrid (batch * H, segments, G), kThreads threads, kSmemBytes of shared memory.
 // kBParts: 1 when b is bf16 (exact in one part), 3 when it is fp32.
 template <typename In, int kBParts>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -247,7 +247,7 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
   if (err != cudaSuccess) return err;
   constexpr int V = 16 / sizeof(In);
   const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && (!b_is_v || Aligned16(b));
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(d, groups, segments, vec,
                                                  static_cast<const In*>(a), b, b_is_v, w, lay, out);
   return cudaGetLastError();
@@ -399,7 +399,7 @@ __device__ __forceinline__ void ReadAll(const float* As, int m0, const uint32_t*
   }
 }
 
-// grid (segments, G, batch * H), kThreads threads, kReadsSmemBytes.
+// GroupGrid (batch * H, segments, G), kThreads threads, kReadsSmemBytes.
 template <SmatReadKind kRead, typename In>
 __global__ void __launch_bounds__(kThreads, 2)
     ReadsMmaKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
@@ -470,7 +470,7 @@ struct LaunchReads {
     if (err != cudaSuccess) return err;
     constexpr int V = 16 / sizeof(In);
     const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);
-    const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+    const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
     kernel<<<grid, kThreads, kReadsSmemBytes, stream>>>(
         d, groups, segments, vec, M, lay, static_cast<const In*>(a), static_cast<const In*>(v), g,
         w, out_p, out_r, out_v, assign_p);

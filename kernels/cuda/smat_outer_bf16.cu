@@ -94,7 +94,7 @@ __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, co
   }
 }
 
-// grid (segments, G, batch * H), kThreads threads, SmemBytes(kBParts).
+// GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kBParts).
 // kBParts 1: b = vbar from bf16 v; 3: b = gbar (fp32, width p), three blocks
 // per SM (74 KB each; 80 registers, so the staging keeps 8 loads in flight,
 // not 12): ChunkStateGradients 1.59 -> 1.44 ms against two blocks per SM
@@ -216,7 +216,7 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(segments, groups.num_groups, d.batch * d.H);
+  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments,
                                             static_cast<const __nv_bfloat16*>(a), b, lay, out);
   return cudaGetLastError();
