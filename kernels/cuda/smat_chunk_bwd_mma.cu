@@ -501,7 +501,7 @@ __device__ __forceinline__ void SideTerms(const Block& bk, const SmatCudaDims& d
   }
 }
 
-// grid (Lc * batch * H), kThreads threads, kSmemBytes of shared memory.
+// grid ChunkGrid(d), kThreads threads, kSmemBytes of shared memory.
 // kAssign: the outputs are written, not added to (SmatWrite::kAssign).
 template <bool kGated, bool kAssign>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -520,12 +520,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* wk = wq + kC;
 
   const int tid = threadIdx.x;
-  // Block x: chunk x / (batch H), head x % (batch H), so the heads of a chunk
-  // run side by side and share the sectors of gbar's rows (p floats) in L2
-  // (as the forward tile, smat_chunk_fwd_mma.cu).
-  const int bh_count = d.batch * d.H;
-  const int64_t k = blockIdx.x / bh_count;
-  const int bh = static_cast<int>(blockIdx.x % bh_count), b = bh / d.H, h = bh % d.H;
+  const cuda_detail::ChunkBlock blk(d);
+  const int64_t k = blk.k;
+  const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
   const int r = d.r, dv = d.dv, p = d.p;
@@ -642,7 +639,7 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
   auto aligned8 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 7) == 0; };
   const bool pairs_r = d.r % 2 == 0 && aligned8(phi_bar) && aligned8(psi_bar);
   const bool pairs_v = d.dv % 2 == 0 && aligned8(v_bar);
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(d.Lc) * d.batch * d.H));
+  const dim3 grid = cuda_detail::ChunkGrid(d);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(
       d, vec, pairs_r, pairs_v, static_cast<const __nv_bfloat16*>(phi), static_cast<const __nv_bfloat16*>(psi),
       static_cast<const __nv_bfloat16*>(v), lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar,

@@ -61,7 +61,7 @@ constexpr int kOffScol = kOffPart2 + 2 * kC;
 constexpr int kSmemFloats = kOffScol + kW;
 static_assert(kC * kC <= 2 * kK1 * kC, "the score tile must fit over P and Q");
 
-// grid (Lc, batch * H), 256 threads, kSmemFloats floats of shared memory.
+// grid ChunkGrid(d), 256 threads, kSmemFloats floats of shared memory.
 // vec_in: phi, psi, v rows can be read 16 bytes at a time.
 template <Kind kKind, typename In>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -86,8 +86,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* scol = sm + kOffScol;
 
   const int tid = threadIdx.x;
-  const int64_t k = blockIdx.x;
-  const int b = blockIdx.y / d.H, h = blockIdx.y % d.H;
+  const cuda_detail::ChunkBlock blk(d);
+  const int64_t k = blk.k;
+  const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
   const int r = d.r, dv = d.dv, p = d.p;
@@ -243,7 +244,7 @@ cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, 
   constexpr int V = 16 / sizeof(In);
   const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(phi) && Aligned16(psi) &&
                    Aligned16(v);
-  const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
+  const dim3 grid = cuda_detail::ChunkGrid(d);
   kernel<<<grid, kThreads, kSmem, stream>>>(d, vec, static_cast<const In*>(phi),
                                             static_cast<const In*>(psi),
                                             static_cast<const In*>(v), gbar, lam, cd, M, out);

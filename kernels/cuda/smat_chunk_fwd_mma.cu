@@ -294,7 +294,7 @@ __device__ __forceinline__ void FinishLeftHalves(const Block& bk, const SmatCuda
   }
 }
 
-// grid (Lc * batch * H), kThreads threads, kSmemBytes (kNorm: kSmemNormBytes)
+// grid ChunkGrid(d), kThreads threads, kSmemBytes (kNorm: kSmemNormBytes)
 // of shared memory.
 template <bool kGated, bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -307,13 +307,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* lam_s = reinterpret_cast<float*>(base + kOffTokens);
   float* wq = lam_s + kC;
   const int tid = threadIdx.x;
-  // Block x: chunk x / (batch H), head pair x % (batch H); the heads of a
-  // chunk run side by side, so the blocks that share the chunk's token records
-  // ([t, H, ...]: ybar's rows of p floats share 32-byte sectors across heads)
-  // touch them together.
-  const int bh_count = d.batch * d.H;
-  const int64_t k = blockIdx.x / bh_count;
-  const int bh = static_cast<int>(blockIdx.x % bh_count), b = bh / d.H, h = bh % d.H;
+  const cuda_detail::ChunkBlock blk(d);
+  const int64_t k = blk.k;
+  const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
   const int r = d.r, dv = d.dv, p = d.p;
@@ -410,7 +406,7 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
   if (err != cudaSuccess) return err;
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(d.Lc) * d.batch * d.H));
+  const dim3 grid = cuda_detail::ChunkGrid(d);
   kernel<<<grid, kThreads, kBytes, stream>>>(d, vec, static_cast<const __nv_bfloat16*>(phi),
                                              static_cast<const __nv_bfloat16*>(psi),
                                              static_cast<const __nv_bfloat16*>(v), lam, S_in, out);

@@ -288,7 +288,7 @@ __device__ __forceinline__ void WarpMma(WarpAcc& acc, const float* A, int lda, i
 // Whether a product of operands with these part counts has correction terms.
 constexpr bool HasLo(int parts_a, int parts_b) { return parts_a == 3 || parts_b == 3; }
 
-// grid (Lc, batch * H), 256 threads, kSmemFloats floats of shared memory.
+// grid ChunkGrid(d), 256 threads, kSmemFloats floats of shared memory.
 // vec_in: phi, psi, v rows can be read 16 bytes at a time.
 template <Kind kKind, typename In>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -320,8 +320,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* scol = sm + kOffScol;
 
   const int tid = threadIdx.x;
-  const int64_t k = blockIdx.x;
-  const int b = blockIdx.y / d.H, h = blockIdx.y % d.H;
+  const cuda_detail::ChunkBlock blk(d);
+  const int64_t k = blk.k;
+  const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
   const int r = d.r, dv = d.dv, p = d.p;
@@ -508,7 +509,7 @@ cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, 
   constexpr int V = 16 / sizeof(In);
   const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(phi) && Aligned16(psi) &&
                    Aligned16(v);
-  const dim3 grid(static_cast<unsigned>(d.Lc), static_cast<unsigned>(d.batch * d.H));
+  const dim3 grid = cuda_detail::ChunkGrid(d);
   kernel<<<grid, kThreads, kSmem, stream>>>(d, vec, static_cast<const In*>(phi),
                                             static_cast<const In*>(psi),
                                             static_cast<const In*>(v), gbar, lam, cd, M, out);

@@ -116,6 +116,25 @@ __device__ __forceinline__ int64_t MatrixIndex(const SmatMatrixLayout& l, int b,
          static_cast<int64_t>(h) * l.oh;
 }
 
+// The grid of a per-chunk kernel: one block per (chunk, b, h), Lc * batch * H
+// in one dimension with the heads fastest, so the blocks that share a chunk's
+// token records ([b, t, H, ...]) run together (rows of p = dv + 1 floats, as
+// ybar and gbar, share 32-byte sectors across heads; see GroupGrid).
+inline dim3 ChunkGrid(const SmatCudaDims& d) {
+  return dim3(static_cast<unsigned>(static_cast<int64_t>(d.Lc) * d.batch * d.H));
+}
+struct ChunkBlock {
+  int64_t k;
+  int b, h;
+  __device__ explicit ChunkBlock(const SmatCudaDims& d) {
+    const unsigned bh_count = static_cast<unsigned>(d.batch * d.H);
+    const int bh = static_cast<int>(blockIdx.x % bh_count);
+    k = blockIdx.x / bh_count;
+    b = bh / d.H;
+    h = bh % d.H;
+  }
+};
+
 // The grid of a grouped product: (batch * H, segments, G). The heads of a
 // token run side by side (x varies fastest), so the blocks that touch one
 // token's rows of all heads ([b, t, H, width], contiguous) run together:
