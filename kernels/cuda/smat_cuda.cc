@@ -171,10 +171,8 @@ class CudaSmatKernels final : public SmatKernels {
                             const Tensor& psi, const Tensor& v, const Tensor& lam,
                             const Tensor& S_in, Tensor* ybar, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
-    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
-    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
-    SMAT_RETURN_IF_ERROR(args_.CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
+                          args_.ChunkOutputDims(plan, span, phi, psi, v, lam, S_in));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(ybar, {d.batch, d.L, d.H, d.p}, "ybar"));
     SMAT_ASSIGN_OR_RETURN(int tile, ChunkTile(d, false));
     return CudaStatus(LaunchSmatChunkOutputs(d, tile, phi.raw(), psi.raw(), v.raw(), F32(lam),
@@ -252,10 +250,8 @@ class CudaSmatKernels final : public SmatKernels {
                                  const Tensor& S_in, const Tensor& reads, float eps, Tensor* o,
                                  Tensor* den, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
-    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
-    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
-    SMAT_RETURN_IF_ERROR(args_.CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
+                          args_.ChunkOutputDims(plan, span, phi, psi, v, lam, S_in));
     SMAT_RETURN_IF_ERROR(args_.CheckF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
     if (o == nullptr || !o->defined() || o->device() != Device::Cuda(device_) ||
         (o->dtype() != DType::kF32 && o->dtype() != phi.dtype())) {

@@ -115,6 +115,18 @@ absl::StatusOr<SmatCudaDims> SmatCudaArgs::FeatureDims(const SmatPlan& plan, con
   return d;
 }
 
+absl::StatusOr<SmatCudaDims> SmatCudaArgs::ChunkOutputDims(const SmatPlan& plan,
+                                                           const SmatSpan& span, const Tensor& phi,
+                                                           const Tensor& psi, const Tensor& v,
+                                                           const Tensor& lam,
+                                                           const Tensor& S_in) const {
+  SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, FeatureDims(plan, span, psi, v));
+  SMAT_RETURN_IF_ERROR(CheckFeatures(d, phi, "phi", d.r));
+  SMAT_RETURN_IF_ERROR(CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+  SMAT_RETURN_IF_ERROR(CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+  return d;
+}
+
 absl::StatusOr<SmatCudaDims> SmatCudaArgs::TableDims(const SmatPlan& plan, const SmatSpan& span,
                                                      const Tensor& phi, const Tensor& table,
                                                      const char* name) const {

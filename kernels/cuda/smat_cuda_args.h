@@ -50,6 +50,12 @@ class SmatCudaArgs {
   // From psi [batch, L, H, r] and v [batch, L, H, dv] (checked, one dtype).
   absl::StatusOr<SmatCudaDims> FeatureDims(const SmatPlan& plan, const SmatSpan& span,
                                            const Tensor& psi, const Tensor& v) const;
+  // The inputs of the chunk-local outputs (ChunkOutputs, NormalizedOutputs):
+  // FeatureDims, then phi like psi, lam (optional) and S_in [batch, Lc, H, r, p].
+  absl::StatusOr<SmatCudaDims> ChunkOutputDims(const SmatPlan& plan, const SmatSpan& span,
+                                               const Tensor& phi, const Tensor& psi,
+                                               const Tensor& v, const Tensor& lam,
+                                               const Tensor& S_in) const;
   // From phi [batch, L, H, r] and a table [batch, H, G, r, p].
   absl::StatusOr<SmatCudaDims> TableDims(const SmatPlan& plan, const SmatSpan& span,
                                          const Tensor& phi, const Tensor& table,
