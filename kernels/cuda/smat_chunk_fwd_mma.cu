@@ -32,10 +32,10 @@
 // den), as LaunchSmatNormalize computes it.
 //
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
-// 2026-12-01): 1.72 ms (60 TFLOP/s of exact-product FLOPs, 1.9 TB/s), against
-// 4.95 ms for the tile of smat_chunk_mma.cu and 6.04 ms with FFMA; gated 2.21.
-// With kNorm 2.00 ms (gated 2.20), replacing ChunkOutputs + TypeReads (+=) +
-// Normalize = 3.18 ms by TypeReads (=) + this = 2.93 ms.
+// 2026-12-01): 1.61 ms (65 TFLOP/s of exact-product FLOPs, 2.0 TB/s), against
+// 4.95 ms for the tile of smat_chunk_mma.cu and 6.04 ms with FFMA; gated 1.90.
+// With kNorm 1.90 ms (gated 2.10): TypeReads (=) + this = 2.66 ms, against
+// 3.07 ms for ChunkOutputs + TypeReads (+=) + Normalize before it.
 //
 // Exactness: as smat_chunk_mma.cu (every fp32 operand in three parts, the
 // correction terms in an accumulator of their own): within 1e-5 of the CPU
