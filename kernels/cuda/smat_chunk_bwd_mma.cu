@@ -627,12 +627,8 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
                         const float* gbar, const float* D_bar, float* phi_bar, float* psi_bar,
                         float* v_bar, cudaStream_t stream) {
   auto kernel = ChunkBackwardFusedKernel<kGated, kAssign>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
   // Two blocks per SM need the largest shared-memory carveout.
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
+  const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes);
   if (err != cudaSuccess) return err;
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);

@@ -398,11 +398,7 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
                         cudaStream_t stream) {
   auto kernel = ChunkForwardFusedKernel<kGated, kNorm>;
   constexpr int kBytes = kNorm ? kSmemNormBytes : kSmemBytes;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
+  const cudaError_t err = AllowSharedMemory(kernel, kBytes);
   if (err != cudaSuccess) return err;
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);

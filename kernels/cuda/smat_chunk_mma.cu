@@ -542,16 +542,22 @@ bool SmatUseMmaChunkTiles(const SmatCudaDims& d, bool backward) {
 
 int64_t SmatChunkMmaTilesSmemBytes() { return sizeof(float) * kSmemFloats; }
 
+namespace {
+// Whether the tensor-core forward tile is the fused bf16 kernel.
+bool FusedForwardFits(const SmatCudaDims& d) {
+  return kFusedForwardBf16 && SmatChunkForwardFusedFits(d);
+}
+}  // namespace
+
 bool SmatChunkMmaForwardFused(const SmatCudaDims& d) {
-  return SmatUseMmaChunkTiles(d, /*backward=*/false) && kFusedForwardBf16 &&
-         SmatChunkForwardFusedFits(d);
+  return SmatUseMmaChunkTiles(d, /*backward=*/false) && FusedForwardFits(d);
 }
 
 cudaError_t LaunchSmatChunkOutputsMma(const SmatCudaDims& d, const void* phi, const void* psi,
                                       const void* v, const float* lam, const float* S_in,
                                       float* ybar, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  if (kFusedForwardBf16 && SmatChunkForwardFusedFits(d)) {
+  if (FusedForwardFits(d)) {
     return LaunchSmatChunkOutputsForwardFused(d, phi, psi, v, lam, S_in, ybar, stream);
   }
   return LaunchAny<Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr, S_in, ybar, stream);

@@ -462,11 +462,7 @@ struct LaunchReads {
                          const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
                          float* out_v, bool assign_p, cudaStream_t stream) {
     auto kernel = ReadsMmaKernel<kRead, In>;
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadsSmemBytes);
-    if (err != cudaSuccess) return err;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
+    const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kReadsSmemBytes);
     if (err != cudaSuccess) return err;
     constexpr int V = 16 / sizeof(In);
     const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(a) && Aligned16(v);

@@ -1,5 +1,6 @@
 // Pieces of the SMat tensor-core kernels (smat_chunk_bwd_mma.cu,
-// smat_chunk_fwd_mma.cu, smat_grouped_mma.cu): shared-memory addresses,
+// smat_chunk_fwd_mma.cu, smat_grouped_mma.cu, smat_state_grads.cu): their
+// launches' shared-memory attributes, shared-memory addresses,
 // 16-byte cp.async, the staging of bf16 token rows, ldmatrix, the m16n8k16
 // bf16 mma with fp32 accumulation, and the split of fp32 values into three
 // bf16 parts x = x1 + x2 + x3 (24 significant bits: exact for normal fp32)
@@ -9,12 +10,25 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstring>
 
 namespace smat {
 namespace mma_tiles {
+
+// Lets `kernel` take `bytes` of dynamic shared memory, with the largest
+// shared-memory carveout, so that the blocks per SM its launch bounds ask
+// for fit beside each other.
+template <typename Kernel>
+inline cudaError_t AllowSharedMemory(Kernel kernel, int bytes) {
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared);
+}
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
