@@ -173,25 +173,25 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
         "smat: SmatBackward needs the outputs of SmatForward on the same inputs");
   }
 
-  // The division's Jacobian (Appendix E).
+  // The division's Jacobian (Appendix E) and, from the gbar it gives, the
+  // chunks' state gradients (eq. 19) in one pass.
   SMAT_ASSIGN_OR_RETURN(Tensor gbar, Alloc(backend, {d.batch, d.L, d.H, d.p}));
   Tensor dlam_row;
   if (gated) {
     SMAT_ASSIGN_OR_RETURN(dlam_row, Alloc(backend, {d.batch, d.L, d.H}));
   }
-  SMAT_RETURN_IF_ERROR(k->NormalizeBackward(d_o, fwd.o, sv.den, in.eps, &gbar,
-                                            gated ? &dlam_row : nullptr, stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(k->NormalizeBackwardStates(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi,
+                                                  sv.lam, &gbar, gated ? &dlam_row : nullptr,
+                                                  &S_in_bar, stream));
   *grads = SmatGradients();
   SMAT_ASSIGN_OR_RETURN(grads->phi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->psi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->v, Alloc(backend, {d.batch, d.L, d.H, d.dv}));
 
-  // Causal branch, eq. 19: state gradients, the suffix scan, the tiles. The
-  // tiles cover every token, so they write the three gradients (no zeroing
-  // before, nothing read back) and the long-range branch adds to them.
-  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->ChunkStateGradients(plan, span, in.phi, gbar, sv.lam, &S_in_bar,
-                                              stream));
+  // Causal branch, eq. 19: the suffix scan of the state gradients, the tiles.
+  // The tiles cover every token, so they write the three gradients (no
+  // zeroing before, nothing read back) and the long-range branch adds to them.
   SMAT_ASSIGN_OR_RETURN(Tensor D_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
   SMAT_ASSIGN_OR_RETURN(Tensor state_grad, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
   SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, sv.chunk_decay, Tensor(),

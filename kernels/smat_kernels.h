@@ -267,6 +267,25 @@ class SmatKernels {
                                          Tensor* dlam_row,  // [batch, L, H] or null (ungated)
                                          Stream* stream) = 0;
 
+  // B1 + B5 in one pass over the tokens: gbar and dlam_row (where not null)
+  //   as NormalizeBackward writes them, and S_in_bar as ChunkStateGradients
+  //   computes it from that gbar, without reading gbar back. The same values
+  //   as the two phases in turn: gbar and dlam_row bit for bit, S_in_bar bit
+  //   for bit ungated and to within fp32 rounding gated (a backend may weight
+  //   gbar_t instead of phi_t). The backward of kernels/smat.cc and of the
+  //   span composer use it.
+  virtual absl::Status NormalizeBackwardStates(const SmatPlan& plan, const SmatSpan& span,
+                                               const Tensor& d_o,  // [batch, L, H, dv]
+                                               const Tensor& o,    // [batch, L, H, dv]
+                                               const Tensor& den,  // [batch, L, H]
+                                               float eps,
+                                               const Tensor& phi,  // [batch, L, H, r]
+                                               const Tensor& lam,  // [batch, L, H] or undefined
+                                               Tensor* gbar,       // [batch, L, H, p]
+                                               Tensor* dlam_row,   // [batch, L, H] or null
+                                               Tensor* S_in_bar,   // [batch, Lc, H, r, p]
+                                               Stream* stream) = 0;
+
   // B2. Adjoint of the per-type reads (eq. 18), for the span's recent t:
   //   phi_bar_t += gate_t U[type(t)] gbar_t;
   //   U_bar[h] = sum_{recent t in span, type(t) = h} gate_t phi_t gbar_t^T

@@ -365,19 +365,20 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
 
   SMAT_ASSIGN_OR_RETURN(Tensor gbar, EmptyOn(backend, {b, L, H, p}));
   SMAT_ASSIGN_OR_RETURN(Tensor dlam_row, EmptyOn(backend, {b, L, H}));
-  SMAT_RETURN_IF_ERROR(k->NormalizeBackward(d_o, fwd.o, sv.local.den, in.eps, &gbar, &dlam_row, stream));
+  // The division's Jacobian and the span's own state gradients first, and
+  // their AllGather (the reverse scan over ranks) started at once: it is the
+  // backward's one wait, and the type-table work below is what differs most
+  // between ranks (only spans with recent tokens read U). With
+  // TypeReadsBackward first, a distant-only rank idled for the recent ranks'
+  // TypeReadsBackward here (9.5 ms of 247 ms on 2 H200s, T = 1M, d = 2:
+  // docs/PERFORMANCE.md, "Sequence parallelism").
+  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, EmptyOn(backend, {b, Lc, H, r, p}));
+  SMAT_RETURN_IF_ERROR(k->NormalizeBackwardStates(plan, span, d_o, fwd.o, sv.local.den, in.eps,
+                                                  in.phi, lam, &gbar, &dlam_row, &S_in_bar,
+                                                  stream));
   SMAT_ASSIGN_OR_RETURN(grads->phi, ZerosOn(backend, {b, L, H, r}, stream));
   SMAT_ASSIGN_OR_RETURN(grads->psi, ZerosOn(backend, {b, L, H, r}, stream));
   SMAT_ASSIGN_OR_RETURN(grads->v, ZerosOn(backend, {b, L, H, z.dv}, stream));
-
-  // The span's own state gradients first, and their AllGather (the reverse
-  // scan over ranks) started at once: it is the backward's one wait, and the
-  // type-table work below is what differs most between ranks (only spans
-  // with recent tokens read U). With TypeReadsBackward first, a distant-only
-  // rank idled for the recent ranks' TypeReadsBackward here (9.5 ms of 247 ms
-  // on 2 H200s, T = 1M, d = 2: docs/PERFORMANCE.md, "Sequence parallelism").
-  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, EmptyOn(backend, {b, Lc, H, r, p}));
-  SMAT_RETURN_IF_ERROR(k->ChunkStateGradients(plan, span, in.phi, gbar, lam, &S_in_bar, stream));
   SMAT_ASSIGN_OR_RETURN(Tensor zero_in, ZerosOn(backend, {b, 2, H, r, p}, stream));
   SMAT_ASSIGN_OR_RETURN(Tensor D_bar, EmptyOn(backend, {b, Lc, H, r, p}));
   SMAT_ASSIGN_OR_RETURN(Tensor ssg, EmptyOn(backend, {b, 2, H, r, p}));

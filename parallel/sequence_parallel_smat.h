@@ -12,8 +12,8 @@
 //   -> AllReduce(sum) of the profile table F        || ChunkScan, ChunkOutputs
 //   Tabulate U = C F, TypeReads, Normalize.
 // Backward mirrors it:
-//   NormalizeBackward, ChunkStateGradients, ChunkScanBackward (span state
-//   gradients)
+//   NormalizeBackwardStates (the division's Jacobian and the chunks' state
+//   gradients in one pass), ChunkScanBackward (span state gradients)
 //   -> AllGather(state gradients)                   || TypeReadsBackward (span
 //   part of U_bar)
 //   -> AllReduce(sum) of U_bar                      (the gather still in flight)

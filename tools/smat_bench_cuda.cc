@@ -290,16 +290,26 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     SMAT_ASSIGN_OR_RETURN(Tensor logg_bar, buf.Zeros({B, T, H}));
     SMAT_ASSIGN_OR_RETURN(Tensor span_sum, buf.Zeros({B, H}));
     std::vector<Phase> bwd;
-    bwd.push_back({"NormalizeBackward", N * (dv * (4 + es) + 8 + p * 4 + 4), 4 * N * dv, [&] {
+    // The order of SmatBackward (kernels/smat.cc): gbar and the state
+    // gradients in one pass, then the chunk tiles write the gradients and the
+    // long-range phases add to them.
+    bwd.push_back({"NormalizeBackwardStates",
+                   N * (dv * (4 + es) + 8 + p * 4 + 4 + r * es) + gate_bytes + NC * W * 4,
+                   4 * N * dv + 2 * N * W, [&] {
+                     return k->NormalizeBackwardStates(plan, span, d_o, o, den, eps, phi, lam,
+                                                       &gbar, cfg.gated ? &dlam_row : nullptr,
+                                                       &S_in_bar, nullptr);
+                   }});
+    // The same two steps as separate phases, timed for comparison, not part
+    // of the backward.
+    std::vector<Phase> two;
+    two.push_back({"NormalizeBackward", N * (dv * (4 + es) + 8 + p * 4 + 4), 4 * N * dv, [&] {
                      return k->NormalizeBackward(d_o, o, den, eps, &gbar,
                                                  cfg.gated ? &dlam_row : nullptr, nullptr);
                    }});
-    // The order of SmatBackward (kernels/smat.cc): the chunk tiles write the
-    // gradients, the long-range phases add to them.
-    bwd.push_back({"ChunkStateGradients", N * (r * es + p * 4) + gate_bytes + NC * W * 4,
-                   2 * N * W, [&] {
-                     return k->ChunkStateGradients(plan, span, phi, gbar, lam, &S_in_bar, nullptr);
-                   }});
+    two.push_back(
+        {"ChunkStateGradients", N * (r * es + p * 4) + gate_bytes + NC * W * 4, 2 * N * W,
+         [&] { return k->ChunkStateGradients(plan, span, phi, gbar, lam, &S_in_bar, nullptr); }});
     bwd.push_back({"ChunkScanBackward", NC * W * 8, 2 * NC * W, [&] {
                      return k->ChunkScanBackward(plan, span, S_in_bar, cd, Tensor(), &D_bar,
                                                  &state_grad, nullptr);
@@ -332,6 +342,10 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     std::vector<double> bwd_ms;
     SMAT_RETURN_IF_ERROR(TimeChain(gpu, bwd, warmup, reps, &bwd_ms, &bwd_total));
     PrintTable("backward", bwd, bwd_ms, bwd_total, ceil);
+    std::vector<double> two_ms;
+    double two_total = 0;
+    SMAT_RETURN_IF_ERROR(TimeChain(gpu, two, warmup, reps, &two_ms, &two_total));
+    PrintTable("state gradients in 2 phases", two, two_ms, two_total, ceil);
   }
   std::printf("SUMMARY d=%d %s %s T=%lld: forward %.3f ms", d,
               DTypeName(cfg.dtype), cfg.gated ? "gated" : "ungated", static_cast<long long>(T),

@@ -315,6 +315,17 @@ absl::Status CpuSmatKernels::NormalizedOutputs(const SmatPlan& plan, const SmatS
   return Normalize(ybar, eps, o, den, stream);
 }
 
+absl::Status CpuSmatKernels::NormalizeBackwardStates(const SmatPlan& plan, const SmatSpan& span,
+                                                     const Tensor& d_o, const Tensor& o,
+                                                     const Tensor& den, float eps,
+                                                     const Tensor& phi, const Tensor& lam,
+                                                     Tensor* gbar, Tensor* dlam_row,
+                                                     Tensor* S_in_bar, Stream* stream) {
+  // The two phases in turn.
+  SMAT_RETURN_IF_ERROR(NormalizeBackward(d_o, o, den, eps, gbar, dlam_row, stream));
+  return ChunkStateGradients(plan, span, phi, *gbar, lam, S_in_bar, stream);
+}
+
 absl::Status CpuSmatKernels::NormalizeBackward(const Tensor& d_o, const Tensor& o,
                                                const Tensor& den, float eps, Tensor* gbar,
                                                Tensor* dlam_row, Stream* stream) {

@@ -123,6 +123,11 @@ class CpuSmatKernels final : public SmatKernels {
   absl::Status NormalizeBackward(const Tensor& d_o, const Tensor& o, const Tensor& den,
                                  float eps, Tensor* gbar, Tensor* dlam_row,
                                  Stream* stream) override;
+  absl::Status NormalizeBackwardStates(const SmatPlan& plan, const SmatSpan& span,
+                                       const Tensor& d_o, const Tensor& o, const Tensor& den,
+                                       float eps, const Tensor& phi, const Tensor& lam,
+                                       Tensor* gbar, Tensor* dlam_row, Tensor* S_in_bar,
+                                       Stream* stream) override;
   absl::Status TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
                                  const Tensor& U, const Tensor& gbar, const Tensor& lam,
                                  const Tensor& chunk_decay, const Tensor& recent_offset,

@@ -310,6 +310,37 @@ class CudaSmatKernels final : public SmatKernels {
         "NormalizeBackward kernel");
   }
 
+  absl::Status NormalizeBackwardStates(const SmatPlan& plan, const SmatSpan& span,
+                                       const Tensor& d_o, const Tensor& o, const Tensor& den,
+                                       float eps, const Tensor& phi, const Tensor& lam,
+                                       Tensor* gbar, Tensor* dlam_row, Tensor* S_in_bar,
+                                       Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
+                          args_.Dims(plan, span, phi, "phi", phi.rank() == 4 ? phi.dim(3) : 0,
+                                     o.rank() == 4 ? o.dim(3) : 0, true));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, o, "o", d.dv));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, d_o, "d_o", d.dv));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(lam, {d.batch, d.L, d.H}, "lam"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    if (dlam_row != nullptr) {
+      SMAT_RETURN_IF_ERROR(args_.CheckOut(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
+    }
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in_bar, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in_bar"));
+    const bool do_bf16 = d_o.dtype() == DType::kBF16, o_bf16 = o.dtype() == DType::kBF16;
+    if (SmatNormalizeBackwardStatesFusedFits(d, d_o.raw(), do_bf16, o.raw(), o_bf16, phi.raw(),
+                                             F32(lam), F32(gbar))) {
+      return CudaStatus(LaunchSmatNormalizeBackwardStatesFused(
+                            d, d_o.raw(), do_bf16, o.raw(), o_bf16, F32(den), eps, phi.raw(),
+                            F32(lam), F32(gbar), F32(dlam_row), F32(S_in_bar), s),
+                        "NormalizeBackwardStates kernel");
+    }
+    SMAT_RETURN_IF_ERROR(NormalizeBackward(d_o, o, den, eps, gbar, dlam_row, stream));
+    return ChunkStateGradients(plan, span, phi, *gbar, lam, S_in_bar, stream);
+  }
+
   absl::Status TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
                                  const Tensor& U, const Tensor& gbar, const Tensor& lam,
                                  const Tensor& chunk_decay, const Tensor& recent_offset,

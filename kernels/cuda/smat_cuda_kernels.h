@@ -290,4 +290,23 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& dims, const 
                                                 float* psi_bar, float* v_bar, bool assign,
                                                 cudaStream_t stream);
 
+// ---- smat_state_grads.cu --------------------------------------------------------
+
+// B1 + B5 in one kernel (SmatKernels::NormalizeBackwardStates): gbar,
+// dlam_row (where not null) and S_in_bar, with the bits of
+// LaunchSmatNormalizeBackward and then the ChunkStateGradients outer sums
+// (gated, S_in_bar to within fp32 rounding: see smat_state_grads.cu). Fits
+// for bf16 phi where those two run their row-tile and tensor-core kernels:
+// c <= 128, r % 8 == 0, r <= 64, dv even and <= 64, d_o and o pairs aligned,
+// the outer sums on tensor cores (SmatUseMmaGrouped), sm_80 or later with the
+// shared memory.
+bool SmatNormalizeBackwardStatesFusedFits(const SmatCudaDims& dims, const void* d_o, bool do_bf16,
+                                          const void* o, bool o_bf16, const void* phi,
+                                          const float* lam, const float* gbar);
+cudaError_t LaunchSmatNormalizeBackwardStatesFused(const SmatCudaDims& dims, const void* d_o,
+                                                   bool do_bf16, const void* o, bool o_bf16,
+                                                   const float* den, float eps, const void* phi,
+                                                   const float* lam, float* gbar, float* dlam_row,
+                                                   float* S_in_bar, cudaStream_t stream);
+
 }  // namespace smat

@@ -450,6 +450,49 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     if (gated) {
       pb.Compare("NormalizeBackward", "dlam_row", tol, sp.eps > 0);
     }
+    // B1 + B5 in one pass: against the CPU, and on the GPU alone the same
+    // bits as its two phases (S_in_bar: ungated; gated the fused kernel
+    // weights gbar where ChunkStateGradients weights phi). The bf16 cases
+    // with r % 8 == 0 and even dv <= 64 run the fused kernel of
+    // smat_state_grads.cu, gated and ungated.
+    {
+      pb.Out("gbar_f", {b, L, H, p});
+      if (gated) pb.Out("dlam_row_f", {b, L, H});
+      pb.Out("S_in_bar_f", {b, Lc, H, r, p});
+      both("NormalizeBackwardStates", [&](SmatKernels& k, const Get& t, const Opt& o) {
+        return k.NormalizeBackwardStates(
+            plan, span, t("d_o"), t("o"), t("den"), static_cast<float>(sp.eps), t("phi"), o("lam"),
+            &t("gbar_f"), gated ? &t("dlam_row_f") : nullptr, &t("S_in_bar_f"), nullptr);
+      });
+      auto empty = [&](const Shape& shape) {
+        return Tensor::Empty(shape, DType::kF32, gpu_->allocator()).value();
+      };
+      Tensor gbar_a = empty({b, L, H, p}), gbar_b = empty({b, L, H, p});
+      Tensor dlam_a = empty({b, L, H}), dlam_b = empty({b, L, H});
+      Tensor sib_a = empty({b, Lc, H, r, p}), sib_b = empty({b, Lc, H, r, p});
+      const float eps = static_cast<float>(sp.eps);
+      SMAT_ASSERT_OK(gk->NormalizeBackwardStates(plan, span, pb.G("d_o"), pb.G("o"), pb.G("den"),
+                                                 eps, pb.G("phi"), pb.GU("lam"), &gbar_a,
+                                                 gated ? &dlam_a : nullptr, &sib_a, nullptr));
+      SMAT_ASSERT_OK(gk->NormalizeBackward(pb.G("d_o"), pb.G("o"), pb.G("den"), eps, &gbar_b,
+                                           gated ? &dlam_b : nullptr, nullptr));
+      SMAT_ASSERT_OK(
+          gk->ChunkStateGradients(plan, span, pb.G("phi"), gbar_b, pb.GU("lam"), &sib_b, nullptr));
+      std::vector<std::tuple<const char*, Tensor*, Tensor*>> pairs = {{"gbar", &gbar_a, &gbar_b}};
+      if (gated) {
+        pairs.emplace_back("dlam_row", &dlam_a, &dlam_b);
+      } else {
+        pairs.emplace_back("S_in_bar", &sib_a, &sib_b);
+      }
+      for (const auto& [what, fused, two] : pairs) {
+        const Tensor x = ToHost(*gpu_, *fused).value(), y = ToHost(*gpu_, *two).value();
+        EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
+            << what << ": NormalizeBackwardStates differs in bits from the two phases";
+      }
+      pb.Compare("NormalizeBackwardStates", "gbar_f", tol, true);
+      if (gated) pb.Compare("NormalizeBackwardStates", "dlam_row_f", tol, sp.eps > 0);
+      pb.Compare("NormalizeBackwardStates", "S_in_bar_f", tol, true);
+    }
     pb.Acc("phi_bar", {b, L, H, r}, 108);
     pb.Acc("psi_bar", {b, L, H, r}, 109);
     pb.Acc("v_bar", {b, L, H, dv}, 110);

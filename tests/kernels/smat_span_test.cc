@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -267,6 +268,21 @@ void CheckSpansEqualWhole(const ProblemSpec& s, const std::vector<int64_t>& cuts
     Sbar[i] = F32({batch, Lc, H, r, p});
     ASSERT_TRUE(k.ChunkStateGradients(plan, st.span, st.in.phi, gbar[i], st.lam, &Sbar[i],
                                       nullptr).ok());
+    // B1 + B5 in one pass: the same values as the two phases, from NaN.
+    {
+      Tensor g2 = F32({batch, L, H, p}), row2 = F32({batch, L, H}), S2 = F32({batch, Lc, H, r, p});
+      ASSERT_TRUE(k.NormalizeBackwardStates(plan, st.span, Slice(d_o, st.span), st.o, st.den,
+                                            whole.eps, st.in.phi, st.lam, &g2, &row2, &S2, nullptr)
+                      .ok());
+      for (const auto& [name, x, y] :
+           {std::tuple{"gbar", &g2, &gbar[i]}, std::tuple{"dlam_row", &row2, &row[i]},
+            std::tuple{"S_in_bar", &S2, &Sbar[i]}}) {
+        if (std::strcmp(name, "dlam_row") != 0) ASSERT_GT(MaxAbs(ToDouble(*y)), 0.0) << name;
+        for (int64_t e = 0; e < x->numel(); ++e) {
+          ASSERT_EQ(x->data<float>()[e], y->data<float>()[e]) << name << " element " << e;
+        }
+      }
+    }
     Tensor Dbar = F32({batch, Lc, H, r, p});
     G[i] = F32({batch, 2, H, r, p});
     ASSERT_TRUE(k.ChunkScanBackward(plan, st.span, Sbar[i], st.cd, Tensor(), &Dbar, &G[i],
