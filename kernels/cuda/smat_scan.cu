@@ -116,6 +116,23 @@ __device__ __forceinline__ void BlockChunks(const SmatCudaDims& d, int blk, int6
 
 constexpr int kScanUnroll = 8;
 
+// e[u] = exp(chunk_decay) of chunk k + u (1 past k_end, or ungated), for the
+// kScanUnroll chunks a step of the scans walks; kStep -1 walks down (chunk
+// k - u, past k_end below it). Lane u computes the u-th and the warp shares
+// them, instead of each of the r p threads computing all of them. All 32
+// lanes must call it.
+template <int kStep = 1>
+__device__ __forceinline__ void ScanDecays(const SmatCudaDims& d, const float* __restrict__ cd,
+                                           int b, int h, int64_t k, int64_t k_end, int lane,
+                                           float (&e)[kScanUnroll]) {
+  float mine = 1.f;
+  const int64_t kl = k + kStep * lane;
+  const bool ok = kStep > 0 ? kl < k_end : kl >= k_end;
+  if (cd != nullptr && lane < kScanUnroll && ok) mine = expf(cd[ChunkRow(d, b, kl, h)]);
+#pragma unroll
+  for (int u = 0; u < kScanUnroll; ++u) e[u] = __shfl_sync(0xffffffffu, mine, u);
+}
+
 // ---- F3 ---------------------------------------------------------------------------
 // grid (ceil(r p / 256), batch * H, 2 blocks). Y carries the state with the
 // incoming one, X the span's own part (span_state), both in chunk order.
@@ -135,8 +152,10 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
       for (int64_t k = k0; k < k1; ++k) s += cd[ChunkRow(d, b, k, h)];
     span_decay[blk_row] = static_cast<float>(s);
   }
-  if (w >= W) return;
-  float Y = (k0 < k1 && incoming != nullptr) ? incoming[blk_row * W + w] : 0.f;
+  // Threads past the state stay (no early return): the warp shares the decays.
+  const bool live = w < W;
+  const int lane = threadIdx.x & 31;
+  float Y = (live && k0 < k1 && incoming != nullptr) ? incoming[blk_row * W + w] : 0.f;
   float X = 0.f;
   // kScanUnroll chunks' loads issued before their updates: the loads do not
   // depend on the carried state, and keeping several in flight per thread is
@@ -147,9 +166,10 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
     for (int u = 0; u < kScanUnroll; ++u) {
       const bool ok = k + u < k1;
       const int64_t row = ChunkRow(d, b, ok ? k + u : k, h);
-      e[u] = cd != nullptr && ok ? expf(cd[row]) : 1.f;
-      Dk[u] = ok ? D[row * W + w] : 0.f;
+      Dk[u] = ok && live ? D[row * W + w] : 0.f;
     }
+    ScanDecays(d, cd, b, h, k, k1, lane, e);
+    if (!live) continue;
 #pragma unroll
     for (int u = 0; u < kScanUnroll; ++u) {
       if (k + u >= k1) break;
@@ -158,7 +178,7 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
       X = fmaf(e[u], X, Dk[u]);
     }
   }
-  span_state[blk_row * W + w] = X;
+  if (live) span_state[blk_row * W + w] = X;
 }
 
 // ---- B6 ---------------------------------------------------------------------------
@@ -171,12 +191,13 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
                                         float* __restrict__ span_state_grad) {
   const int64_t W = static_cast<int64_t>(d.r) * d.p;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (w >= W) return;
+  const bool live = w < W;  // as in ChunkScanKernel: the warp shares the decays
+  const int lane = threadIdx.x & 31;
   const int b = blockIdx.y / d.H, h = blockIdx.y % d.H, blk = blockIdx.z;
   int64_t k0, k1;
   BlockChunks(d, blk, &k0, &k1);
   const int64_t blk_row = (static_cast<int64_t>(b) * 2 + blk) * d.H + h;
-  float Y = (k0 < k1 && incoming_grad != nullptr) ? incoming_grad[blk_row * W + w] : 0.f;
+  float Y = (live && k0 < k1 && incoming_grad != nullptr) ? incoming_grad[blk_row * W + w] : 0.f;
   float X = 0.f;                                              // the span's own part
   for (int64_t k = k1 - 1; k >= k0; k -= kScanUnroll) {
     float e[kScanUnroll], g[kScanUnroll];
@@ -184,9 +205,10 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
     for (int u = 0; u < kScanUnroll; ++u) {
       const bool ok = k - u >= k0;
       const int64_t row = ChunkRow(d, b, ok ? k - u : k, h);
-      e[u] = cd != nullptr && ok ? expf(cd[row]) : 1.f;
-      g[u] = ok ? S_in_bar[row * W + w] : 0.f;
+      g[u] = ok && live ? S_in_bar[row * W + w] : 0.f;
     }
+    ScanDecays<-1>(d, cd, b, h, k, k0, lane, e);
+    if (!live) continue;
 #pragma unroll
     for (int u = 0; u < kScanUnroll; ++u) {
       if (k - u < k0) break;
@@ -195,7 +217,7 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
       X = fmaf(e[u], X, g[u]);
     }
   }
-  span_state_grad[blk_row * W + w] = X;
+  if (live) span_state_grad[blk_row * W + w] = X;
 }
 
 // ---- F8 ---------------------------------------------------------------------------
