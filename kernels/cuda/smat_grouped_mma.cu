@@ -491,7 +491,7 @@ cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& d, const SmatTokenG
                                          float* out, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (SmatOuterSumBf16Fits(d, a, b, b_is_v, w)) {
-    return LaunchSmatOuterSumBf16(d, groups, segments, a, b, b_is_v, lay, out, stream);
+    return LaunchSmatOuterSumBf16(d, groups, segments, a, b, b_is_v, w, lay, out, stream);
   }
   if (d.bf16) {
     return b_is_v ? Launch<__nv_bfloat16, 1>(d, groups, segments, a, b, b_is_v, w, lay, out, stream)

@@ -23,16 +23,17 @@ cudaError_t LaunchSmatGroupedOuterSumMma(const SmatCudaDims& dims, const SmatTok
                                          const SmatTokenWeights& w, const SmatMatrixLayout& layout,
                                          float* out, cudaStream_t stream);
 
-// The outer sums with bf16 rows and unit weights (smat_outer_bf16.cu): bf16
-// inputs, ungated (w.lam and w.extra null), r % 8 == 0, r <= 64, p <= 72,
-// 16-byte aligned rows (v: dv % 8 == 0). LaunchSmatGroupedOuterSumMma runs
-// them where they fit.
+// The outer sums with bf16 rows (smat_outer_bf16.cu): bf16 inputs, r % 8 ==
+// 0, r <= 64, p <= 72, 16-byte aligned rows (v: dv % 8 == 0); b = gbar with
+// unit weights (w.lam and w.extra null), b = vbar with any. The same bits as
+// the kernels of smat_grouped_mma.cu. LaunchSmatGroupedOuterSumMma runs them
+// where they fit.
 bool SmatOuterSumBf16Fits(const SmatCudaDims& dims, const void* a, const void* b, bool b_is_v,
                           const SmatTokenWeights& w);
 cudaError_t LaunchSmatOuterSumBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
                                    int segments, const void* a, const void* b, bool b_is_v,
-                                   const SmatMatrixLayout& layout, float* out,
-                                   cudaStream_t stream);
+                                   const SmatTokenWeights& w, const SmatMatrixLayout& layout,
+                                   float* out, cudaStream_t stream);
 
 // LaunchSmatGroupedReads's contract (smat_cuda_kernels.h), on tensor cores.
 cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& dims, const SmatTokenGroups& groups,

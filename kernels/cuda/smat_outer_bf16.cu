@@ -1,21 +1,25 @@
-// The grouped outer sums of smat_grouped_mma.cu for bf16 token rows with unit
-// weights (ungated, no span offset), which is what the op's bf16 forward and
-// backward run at scale:
-//   out[(b, g, h), segment] = sum over the segment's tokens i of a_i b_i^T
+// The grouped outer sums of smat_grouped_mma.cu for bf16 token rows, which is
+// what the op's bf16 forward and backward run at scale:
+//   out[(b, g, h), segment] = sum over the segment's tokens i of (w_i a_i) b_i^T
 // with a = psi or phi (bf16) and b = vbar = [v, 1] (v bf16: exact in one bf16
-// part) or gbar (fp32: three bf16 parts b = b1 + b2 + b3, 24 significant bits).
+// part) or gbar (fp32: three bf16 parts b = b1 + b2 + b3, 24 significant bits,
+// unit weights only). With weights (gated, or a span offset) w_i a_i is
+// rounded to fp32 and split into three parts as well, and b = vbar stays one:
+// the products and their order are those of smat_grouped_mma.cu's kernel
+// (lo += a3 b, lo += a2 b, hi += a1 b), only the staging differs.
 //
 // The general kernel stages both operands as fp32 and splits them at every
 // fragment load; here the rows stay bf16 from global to shared memory
 // (cp.async, 16 bytes at a time: no registers, no conversion) and the
 // fragments come from ldmatrix.trans, so a 16-token step is one ldmatrix per
-// operand and one MMA per n8 tile (vbar) or three (gbar, Mma1x3). The output
-// tile goes through shared memory and leaves as whole 16-byte rows.
+// operand and one MMA per n8 tile (vbar) or three (gbar, or weighted a). The
+// output tile goes through shared memory and leaves as whole 16-byte rows.
 //
 // Shape: as the general kernel. One block of 8 warps per (segment, group,
 // b * H), 128 tokens at a time; warp w owns output rows 16 (w % 4) .. +15 and
-// n8 tiles 0-4 (w < 4) or 5-8. Shared memory: a [128][72] bf16 (144-byte rows:
-// conflict-free ldmatrix), b in one or three such planes, the token rows.
+// n8 tiles 0-4 (w < 4) or 5-8. Shared memory: a in one or three [128][72]
+// bf16 planes (144-byte rows: conflict-free ldmatrix), b in one or three, the
+// token rows and (weighted) their weights.
 // Sums per output run over the tokens in list order, 16 at a time, the
 // correction terms of gbar smallest first in their own accumulator, exactly
 // as the general kernel orders them; no atomics.
@@ -45,7 +49,11 @@ constexpr int kLd = 72;               // bf16 per staged row: r <= 64, p <= 72
 constexpr int kPlane = kC * kLd;      // bf16 elements of one staged operand
 constexpr int kMaxOut = kPlane / 2;   // fp32 output elements the a plane can hold
 
-constexpr int SmemBytes(int b_parts) { return (1 + b_parts) * kPlane * 2 + kC * 8; }
+// The a and b planes, the token rows (int64) and, with a weighted (three a
+// parts), the token weights.
+constexpr int SmemBytes(int a_parts, int b_parts) {
+  return (a_parts + b_parts) * kPlane * 2 + kC * 8 + (a_parts == 3 ? kC * 4 : 0);
+}
 
 // dst[t][0 .. width) = src row rows[t] for t < nt, zeros for nt <= t < kC;
 // width % 8 == 0, rows 16-byte aligned.
@@ -60,6 +68,44 @@ __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__
       CpAsync16(SmemAddr(to), src + rows[t] * width + 8 * q);
     } else {
       *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// The three bf16 parts of w[t] a_t (bf16 rows of width % 8 == 0, 16-byte
+// aligned, times the fp32 token weight) into planes dst, dst + kPlane,
+// dst + 2 kPlane; zeros for nt <= t < kC. Columns width.. are left alone.
+__device__ __forceinline__ void StageWeightedRows(const __nv_bfloat16* __restrict__ src,
+                                                  const int64_t* rows, const float* w, int width,
+                                                  int nt, __nv_bfloat16* dst) {
+  constexpr int kBatch = 2;  // 16-byte loads in flight per thread: 2 rounds for 128 x 64
+  const int pieces = width >> 3, total = kC * pieces;
+  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
+    uint4 x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, t = e / pieces, q = e - t * pieces;
+      x[u] = e < total && t < nt
+                 ? __ldg(reinterpret_cast<const uint4*>(src + rows[t] * width + 8 * q))
+                 : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, t = e / pieces, q = e - t * pieces;
+      if (e >= total) continue;
+      const float wt = t < nt ? w[t] : 0.f;
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x[u]);
+      uint32_t part[3][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        mma_tiles::Split3(wt * f.x, wt * f.y, part[0][i], part[1][i], part[2][i]);
+      }
+#pragma unroll
+      for (int pl = 0; pl < 3; ++pl) {
+        *reinterpret_cast<uint4*>(dst + pl * kPlane + t * kLd + 8 * q) =
+            make_uint4(part[pl][0], part[pl][1], part[pl][2], part[pl][3]);
+      }
     }
   }
 }
@@ -94,20 +140,23 @@ __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, co
   }
 }
 
-// GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kBParts).
-// kBParts 1: b = vbar from bf16 v; 3: b = gbar (fp32, width p), three blocks
-// per SM (74 KB each; 80 registers, so the staging keeps 8 loads in flight,
-// not 12): ChunkStateGradients 1.59 -> 1.44 ms against two blocks per SM
-// (H200, bf16, r = dv = 64, T = 524288, 8 heads).
-template <int kBParts>
-__global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 3)
+// GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kAParts,
+// kBParts). kAParts 1: a as it is; 3: w a (weighted). kBParts 1: b = vbar
+// from bf16 v; 3: b = gbar (fp32, width p). With three parts of either, three
+// blocks per SM (74 KB each; 80 registers, so the staging keeps 8 loads in
+// flight, not 12): ChunkStateGradients 1.59 -> 1.44 ms against two blocks per
+// SM (H200, bf16, r = dv = 64, T = 524288, 8 heads).
+template <int kAParts, int kBParts>
+__global__ void __launch_bounds__(kThreads, kAParts == 1 && kBParts == 1 ? 4 : 3)
     OuterSumBf16Kernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
                        const __nv_bfloat16* __restrict__ a, const void* __restrict__ bsrc,
-                       SmatMatrixLayout lay, float* __restrict__ out) {
+                       SmatTokenWeights tw, SmatMatrixLayout lay, float* __restrict__ out) {
+  static_assert(kAParts == 1 || kBParts == 1, "a weighted a takes vbar");
   extern __shared__ uint4 smem_u4[];
   __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem_u4);
-  __nv_bfloat16* Bs = As + kPlane;
+  __nv_bfloat16* Bs = As + kAParts * kPlane;
   int64_t* rows = reinterpret_cast<int64_t*>(Bs + kBParts * kPlane);
+  float* wts = reinterpret_cast<float*>(rows + kC);  // token weights (kAParts 3)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const cuda_detail::GroupBlock blk(groups, d, segments);
@@ -119,7 +168,10 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 3)
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.f), one = __float2bfloat16_rn(1.f);
   for (int e = tid; e < kPlane; e += kThreads) {
     const int c = e % kLd;
-    if (c >= r) As[e] = zero;
+    if (c >= r) {
+#pragma unroll
+      for (int q = 0; q < kAParts; ++q) As[q * kPlane + e] = zero;
+    }
     if (c >= bw) {
 #pragma unroll
       for (int q = 0; q < kBParts; ++q) Bs[q * kPlane + e] = kBParts == 1 && c == dv ? one : zero;
@@ -145,10 +197,19 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 3)
     __syncthreads();  // the previous tile is consumed, the padding is written
     if (tid < nt) rows[tid] = TokenRow(d, blk.b, blk.cur.Token(j0 + tid), blk.h);
     __syncthreads();
-    StageRowsAsync(a, rows, r, nt, As);
-    if constexpr (kBParts == 1) {
+    if constexpr (kAParts == 3) {
+      // vbar on its way first; then the weights (their loads overlap it),
+      // then w a split.
+      StageRowsAsync(static_cast<const __nv_bfloat16*>(bsrc), rows, dv, nt, Bs);
+      if (tid < nt)
+        wts[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, blk.cur.Token(j0 + tid));
+      __syncthreads();
+      StageWeightedRows(a, rows, wts, r, nt, As);
+    } else if constexpr (kBParts == 1) {
+      StageRowsAsync(a, rows, r, nt, As);
       StageRowsAsync(static_cast<const __nv_bfloat16*>(bsrc), rows, dv, nt, Bs);
     } else {
+      StageRowsAsync(a, rows, r, nt, As);
       StageSplitRows(static_cast<const float*>(bsrc), rows, p, nt, Bs);
     }
     CpAsyncWaitAll();
@@ -156,8 +217,9 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 3)
     const int ksteps = (nt + 15) >> 4;
     for (int ks = 0; ks < ksteps; ++ks) {
       const uint32_t row_bytes = 2u * 16u * kLd * ks;
-      uint32_t af[4];
-      Ldsm4T(af, a_base + row_bytes);
+      uint32_t af[kAParts][4];
+#pragma unroll
+      for (int q = 0; q < kAParts; ++q) Ldsm4T(af[q], a_base + 2u * q * kPlane + row_bytes);
 #pragma unroll
       for (int pp = 0; pp < 3; ++pp) {
         if (2 * pp >= n_count) break;
@@ -170,12 +232,17 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 3)
         for (int half = 0; half < 2; ++half) {
           const int j = 2 * pp + half;
           if (j >= n_count) break;
-          if constexpr (kBParts == 1) {
-            Mma(acc[j], af, bf[0][2 * half], bf[0][2 * half + 1]);
+          if constexpr (kAParts == 3) {
+            // smat_grouped_mma.cu's order for w a in three parts and vbar.
+            Mma(cor[j], af[2], bf[0][2 * half], bf[0][2 * half + 1]);
+            Mma(cor[j], af[1], bf[0][2 * half], bf[0][2 * half + 1]);
+            Mma(acc[j], af[0], bf[0][2 * half], bf[0][2 * half + 1]);
+          } else if constexpr (kBParts == 1) {
+            Mma(acc[j], af[0], bf[0][2 * half], bf[0][2 * half + 1]);
           } else {
-            Mma(cor[j], af, bf[2][2 * half], bf[2][2 * half + 1]);
-            Mma(cor[j], af, bf[1][2 * half], bf[1][2 * half + 1]);
-            Mma(acc[j], af, bf[0][2 * half], bf[0][2 * half + 1]);
+            Mma(cor[j], af[0], bf[2][2 * half], bf[2][2 * half + 1]);
+            Mma(cor[j], af[0], bf[1][2 * half], bf[1][2 * half + 1]);
+            Mma(acc[j], af[0], bf[0][2 * half], bf[0][2 * half + 1]);
           }
         }
       }
@@ -192,7 +259,9 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 3)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = m0 + gid + (e >= 2 ? 8 : 0), c = col + (e & 1);
-      if (row < r && c < p) os[row * p + c] = kBParts == 1 ? acc[j][e] : acc[j][e] + cor[j][e];
+      if (row < r && c < p) {
+        os[row * p + c] = kAParts == 1 && kBParts == 1 ? acc[j][e] : acc[j][e] + cor[j][e];
+      }
     }
   }
   __syncthreads();
@@ -207,18 +276,18 @@ __global__ void __launch_bounds__(kThreads, kBParts == 1 ? 4 : 3)
   }
 }
 
-template <int kBParts>
+template <int kAParts, int kBParts>
 cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                   const void* a, const void* b, const SmatMatrixLayout& lay, float* out,
-                   cudaStream_t stream) {
-  auto kernel = OuterSumBf16Kernel<kBParts>;
-  constexpr int kSmem = SmemBytes(kBParts);
+                   const void* a, const void* b, const SmatTokenWeights& w,
+                   const SmatMatrixLayout& lay, float* out, cudaStream_t stream) {
+  auto kernel = OuterSumBf16Kernel<kAParts, kBParts>;
+  constexpr int kSmem = SmemBytes(kAParts, kBParts);
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   kernel<<<grid, kThreads, kSmem, stream>>>(d, groups, segments,
-                                            static_cast<const __nv_bfloat16*>(a), b, lay, out);
+                                            static_cast<const __nv_bfloat16*>(a), b, w, lay, out);
   return cudaGetLastError();
 }
 
@@ -226,19 +295,24 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
 
 bool SmatOuterSumBf16Fits(const SmatCudaDims& d, const void* a, const void* b, bool b_is_v,
                           const SmatTokenWeights& w) {
-  if (!d.bf16 || w.lam != nullptr || w.extra != nullptr) return false;
+  // Weights go to a (three parts), which takes b = vbar (one part) only.
+  const bool weighted = w.lam != nullptr || w.extra != nullptr;
+  if (!d.bf16 || (weighted && !b_is_v)) return false;
   if (d.r <= 0 || d.r > 64 || d.r % 8 != 0 || d.p > kLd || d.r * d.p > kMaxOut) return false;
   if (!Aligned16(a)) return false;
   if (b_is_v && (d.dv % 8 != 0 || !Aligned16(b))) return false;
-  return SmatDeviceRunsMma(SmemBytes(b_is_v ? 1 : 3));
+  return SmatDeviceRunsMma(SmemBytes(weighted ? 3 : 1, b_is_v ? 1 : 3));
 }
 
 cudaError_t LaunchSmatOuterSumBf16(const SmatCudaDims& d, const SmatTokenGroups& groups,
                                    int segments, const void* a, const void* b, bool b_is_v,
-                                   const SmatMatrixLayout& lay, float* out, cudaStream_t stream) {
+                                   const SmatTokenWeights& w, const SmatMatrixLayout& lay,
+                                   float* out, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  return b_is_v ? Launch<1>(d, groups, segments, a, b, lay, out, stream)
-                : Launch<3>(d, groups, segments, a, b, lay, out, stream);
+  if (!b_is_v) return Launch<1, 3>(d, groups, segments, a, b, w, lay, out, stream);
+  return w.lam != nullptr || w.extra != nullptr
+             ? Launch<3, 1>(d, groups, segments, a, b, w, lay, out, stream)
+             : Launch<1, 1>(d, groups, segments, a, b, w, lay, out, stream);
 }
 
 }  // namespace smat
