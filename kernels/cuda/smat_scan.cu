@@ -394,9 +394,10 @@ __global__ void GateRowGradKernel(SmatCudaDims d, const void* __restrict__ psi,
 // tokens and heads are contiguous, so r / 8 threads share a row, each with 8
 // elements (one 16-byte load of bf16 psi, or two of fp32, and two of psi_bar),
 // and a warp's loads cover 32 / (r / 8) whole rows. A thread sums its 8
-// products in order, the row's threads combine by xor steps; kRowSteps rows
-// per thread have their loads in flight together. (One warp per row, above:
-// 0.9 ms for T = 524288, 8 heads, r = 64, with the suffix sums.)
+// products in order, the row's threads combine by xor steps; kGateRowSteps rows
+// per thread have their loads in flight together. H200, bf16, T = 524288,
+// 8 heads, r = 64, with the suffix sums (LogDecayBackward): 0.55 ms, against
+// 0.92 ms one warp per row.
 constexpr int kGateRowSteps = 4;
 
 template <bool kBf16>
