@@ -31,6 +31,7 @@
 #include "kernels/cuda/smat_fast_tiles.cuh"
 #include "kernels/cuda/smat_grouped_mma.h"
 #include "kernels/cuda/smat_mma.cuh"
+#include "kernels/cuda/smat_outer_tile.cuh"
 
 namespace smat {
 namespace {
@@ -39,14 +40,12 @@ using cuda_detail::TokenRow;
 using fast_tiles::Aligned16;
 using mma_tiles::CpAsync16;
 using mma_tiles::CpAsyncWaitAll;
-using mma_tiles::Ldsm4T;
-using mma_tiles::Mma;
 using mma_tiles::SmemAddr;
+using outer_tile::kC;      // tokens staged at a time
+using outer_tile::kLd;     // bf16 per staged row: r <= 64, p <= 72
+using outer_tile::kPlane;  // bf16 elements of one staged operand
 
 constexpr int kThreads = 256;
-constexpr int kC = 128;               // tokens staged at a time
-constexpr int kLd = 72;               // bf16 per staged row: r <= 64, p <= 72
-constexpr int kPlane = kC * kLd;      // bf16 elements of one staged operand
 constexpr int kMaxOut = kPlane / 2;   // fp32 output elements the a plane can hold
 
 // The a and b planes, the token rows (int64) and, with a weighted (three a
@@ -151,14 +150,12 @@ __global__ void __launch_bounds__(kThreads, kAParts == 1 && kBParts == 1 ? 4 : 3
     OuterSumBf16Kernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
                        const __nv_bfloat16* __restrict__ a, const void* __restrict__ bsrc,
                        SmatTokenWeights tw, SmatMatrixLayout lay, float* __restrict__ out) {
-  static_assert(kAParts == 1 || kBParts == 1, "a weighted a takes vbar");
   extern __shared__ uint4 smem_u4[];
   __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem_u4);
   __nv_bfloat16* Bs = As + kAParts * kPlane;
   int64_t* rows = reinterpret_cast<int64_t*>(Bs + kBParts * kPlane);
   float* wts = reinterpret_cast<float*>(rows + kC);  // token weights (kAParts 3)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gid = lane >> 2, tig = lane & 3;
   const cuda_detail::GroupBlock blk(groups, d, segments);
   const int r = d.r, p = d.p, dv = d.dv;
   const int bw = kBParts == 1 ? dv : p;  // b columns staged per token
@@ -178,19 +175,7 @@ __global__ void __launch_bounds__(kThreads, kAParts == 1 && kBParts == 1 ? 4 : 3
     }
   }
 
-  const int m0 = (warp & 3) * 16;
-  const int n_first = warp < 4 ? 0 : 5, n_count = warp < 4 ? 5 : 4;
-  // ldmatrix.trans lane offsets: a is stored k-major (As[token][m]), b as
-  // Bs[token][n]; see smat_chunk_bwd_mma.cu for the fragment layouts.
-  const int off_a = ((lane & 7) + (lane >> 4) * 8) * kLd + ((lane >> 3) & 1) * 8 + m0;
-  const int off_b = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8 + 8 * n_first;
-  const uint32_t a_base = SmemAddr(As) + 2u * off_a;
-  const uint32_t b_base = SmemAddr(Bs) + 2u * off_b;
-  float acc[5][4], cor[5][4];
-#pragma unroll
-  for (int j = 0; j < 5; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
+  outer_tile::Warp<kAParts, kBParts> tile(lane, warp, As, Bs);
 
   for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
     const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
@@ -215,65 +200,12 @@ __global__ void __launch_bounds__(kThreads, kAParts == 1 && kBParts == 1 ? 4 : 3
     CpAsyncWaitAll();
     __syncthreads();
     const int ksteps = (nt + 15) >> 4;
-    for (int ks = 0; ks < ksteps; ++ks) {
-      const uint32_t row_bytes = 2u * 16u * kLd * ks;
-      uint32_t af[kAParts][4];
-#pragma unroll
-      for (int q = 0; q < kAParts; ++q) Ldsm4T(af[q], a_base + 2u * q * kPlane + row_bytes);
-#pragma unroll
-      for (int pp = 0; pp < 3; ++pp) {
-        if (2 * pp >= n_count) break;
-        uint32_t bf[kBParts][4];
-#pragma unroll
-        for (int q = 0; q < kBParts; ++q) {
-          Ldsm4T(bf[q], b_base + 2u * (q * kPlane + 16 * pp) + row_bytes);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int j = 2 * pp + half;
-          if (j >= n_count) break;
-          if constexpr (kAParts == 3) {
-            // smat_grouped_mma.cu's order for w a in three parts and vbar.
-            Mma(cor[j], af[2], bf[0][2 * half], bf[0][2 * half + 1]);
-            Mma(cor[j], af[1], bf[0][2 * half], bf[0][2 * half + 1]);
-            Mma(acc[j], af[0], bf[0][2 * half], bf[0][2 * half + 1]);
-          } else if constexpr (kBParts == 1) {
-            Mma(acc[j], af[0], bf[0][2 * half], bf[0][2 * half + 1]);
-          } else {
-            Mma(cor[j], af[0], bf[2][2 * half], bf[2][2 * half + 1]);
-            Mma(cor[j], af[0], bf[1][2 * half], bf[1][2 * half + 1]);
-            Mma(acc[j], af[0], bf[0][2 * half], bf[0][2 * half + 1]);
-          }
-        }
-      }
-    }
+    for (int ks = 0; ks < ksteps; ++ks) tile.Step(ks);
   }
 
   // The r x p result through shared memory (in a's plane), out as whole rows.
-  __syncthreads();
-  float* os = reinterpret_cast<float*>(As);
-#pragma unroll
-  for (int j = 0; j < 5; ++j) {
-    if (j >= n_count) break;
-    const int col = (n_first + j) * 8 + 2 * tig;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = m0 + gid + (e >= 2 ? 8 : 0), c = col + (e & 1);
-      if (row < r && c < p) {
-        os[row * p + c] = kAParts == 1 && kBParts == 1 ? acc[j][e] : acc[j][e] + cor[j][e];
-      }
-    }
-  }
-  __syncthreads();
-  float* dst = blk.Matrix(out, lay, r, p, segments, blk.seg);
-  const int n = r * p;
-  if (n % 4 == 0 && Aligned16(dst)) {
-    for (int i = tid; i < n / 4; i += kThreads) {
-      reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(os)[i];
-    }
-  } else {
-    for (int i = tid; i < n; i += kThreads) dst[i] = os[i];
-  }
+  tile.Store(r, p, reinterpret_cast<float*>(As), blk.Matrix(out, lay, r, p, segments, blk.seg), tid,
+             kThreads);
 }
 
 template <int kAParts, int kBParts>

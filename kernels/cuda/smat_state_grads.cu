@@ -42,6 +42,7 @@
 #include "kernels/cuda/smat_fast_tiles.cuh"
 #include "kernels/cuda/smat_grouped_mma.h"
 #include "kernels/cuda/smat_mma.cuh"
+#include "kernels/cuda/smat_outer_tile.cuh"
 
 namespace smat {
 namespace {
@@ -52,11 +53,11 @@ using namespace mma_tiles;  // NOLINT: the tensor-core pieces are this file's vo
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kC = 128;           // chunk tokens held
+using outer_tile::kC;             // chunk tokens held
 constexpr int kW = 64;            // widest r
 constexpr int kMaxDv = 64;        // widest dv: one pair per lane
-constexpr int kLd = 72;           // bf16 row pitch (144 bytes: conflict-free ldmatrix)
-constexpr int kPlane = kC * kLd;  // bf16 elements of one staged plane
+using outer_tile::kLd;            // bf16 row pitch of the staged planes
+using outer_tile::kPlane;         // bf16 elements of one staged plane
 constexpr int kRowBatch = 8;      // rows whose loads a lane issues together
 
 constexpr int kSmemBytes = 4 * kPlane * 2;  // phi, then the parts of w gbar
@@ -161,69 +162,13 @@ __global__ void __launch_bounds__(kThreads, 3)
   if (vec_in) CpAsyncWaitAll();
   __syncthreads();
 
-  // ---- S_in_bar[k] = A^T B: warp w owns rows 16 (w % 4) .. + 15, n8 tiles
-  // 0-4 (w < 4) or 5-8, as smat_outer_bf16.cu ----
-  const int gid = lane >> 2, tig = lane & 3;
-  const int mrow0 = (warp & 3) * 16;
-  const int n_first = warp < 4 ? 0 : 5, n_count = warp < 4 ? 5 : 4;
-  const int off_a = ((lane & 7) + (lane >> 4) * 8) * kLd + ((lane >> 3) & 1) * 8 + mrow0;
-  const int off_b = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8 + 8 * n_first;
-  const uint32_t a_base = SmemAddr(As) + 2u * off_a;
-  const uint32_t b_base = SmemAddr(Bs) + 2u * off_b;
-  float acc[5][4], cor[5][4];
-#pragma unroll
-  for (int j = 0; j < 5; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
+  // ---- S_in_bar[k] = A^T B, the tile of smat_outer_bf16.cu ----
+  outer_tile::Warp<1, 3> tile(lane, warp, As, Bs);
   const int ksteps = (ce + 15) >> 4;
-  for (int ks = 0; ks < ksteps; ++ks) {
-    const uint32_t row_bytes = 2u * 16u * kLd * ks;
-    uint32_t af[4];
-    Ldsm4T(af, a_base + row_bytes);
-#pragma unroll
-    for (int pp = 0; pp < 3; ++pp) {
-      if (2 * pp >= n_count) break;
-      uint32_t bf[3][4];
-#pragma unroll
-      for (int q = 0; q < 3; ++q) Ldsm4T(bf[q], b_base + 2u * (q * kPlane + 16 * pp) + row_bytes);
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int j = 2 * pp + hf;
-        if (j >= n_count) break;
-        const uint32_t b1a = bf[0][2 * hf], b1b = bf[0][2 * hf + 1];
-        const uint32_t b2a = bf[1][2 * hf], b2b = bf[1][2 * hf + 1];
-        const uint32_t b3a = bf[2][2 * hf], b3b = bf[2][2 * hf + 1];
-        Mma(cor[j], af, b3a, b3b);
-        Mma(cor[j], af, b2a, b2b);
-        Mma(acc[j], af, b1a, b1b);
-      }
-    }
-  }
-
-  // The r x p result through shared memory (the phi plane), out as whole
-  // 16-byte pieces where the matrix allows.
-  __syncthreads();
-  float* os = reinterpret_cast<float*>(As);
-#pragma unroll
-  for (int j = 0; j < 5; ++j) {
-    if (j >= n_count) break;
-    const int col = (n_first + j) * 8 + 2 * tig;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = mrow0 + gid + (e >= 2 ? 8 : 0), c = col + (e & 1);
-      if (row < r && c < p) os[row * p + c] = acc[j][e] + cor[j][e];
-    }
-  }
-  __syncthreads();
-  float* dst = S_in_bar + ChunkRow(d, b, k, h) * static_cast<int64_t>(r) * p;
-  const int n = r * p;
-  if (n % 4 == 0 && fast_tiles::Aligned16(dst)) {
-    for (int i = tid; i < n / 4; i += kThreads) {
-      reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(os)[i];
-    }
-  } else {
-    for (int i = tid; i < n; i += kThreads) dst[i] = os[i];
-  }
+  for (int ks = 0; ks < ksteps; ++ks) tile.Step(ks);
+  // Out through the phi plane, as whole 16-byte pieces where the matrix allows.
+  tile.Store(r, p, reinterpret_cast<float*>(As),
+             S_in_bar + ChunkRow(d, b, k, h) * static_cast<int64_t>(r) * p, tid, kThreads);
 }
 
 template <bool kGated>

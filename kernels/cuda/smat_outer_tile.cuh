@@ -1,0 +1,128 @@
+// The r x p outer-sum tile of 8 warps on tensor cores, over token rows staged
+// as bf16 planes [128][72] in shared memory: out = sum_t a_t b_t^T with a
+// (r <= 64 wide) in kAParts planes and b (p <= 72 wide) in kBParts, each
+// operand's planes summing to its value (one part: exact bf16; three: an fp32
+// value split by mma_tiles::Split3). The bf16 outer sums (smat_outer_bf16.cu)
+// and the state gradients fused with the division's Jacobian
+// (smat_state_grads.cu) share it, so both sum in one order.
+//
+// Warp w owns output rows 16 (w % 4) .. + 15 and n8 tiles 0-4 (w < 4) or 5-8;
+// a 16-token step is one ldmatrix.trans per plane (the k index is the token)
+// and, per n8 tile, the products of smat_grouped_mma.cu in its order: one
+// (1 x 1 parts), lo += a b3, lo += a b2, hi += a b1 (1 x 3), or lo += a3 b,
+// lo += a2 b, hi += a1 b (3 x 1); the correction terms in an accumulator of
+// their own, added to the leading one at the end.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/smat_fast_tiles.cuh"
+#include "kernels/cuda/smat_mma.cuh"
+
+namespace smat {
+namespace outer_tile {
+
+constexpr int kC = 128;           // tokens a plane holds
+constexpr int kLd = 72;           // bf16 row pitch (144 bytes: conflict-free ldmatrix)
+constexpr int kPlane = kC * kLd;  // bf16 elements of one plane
+
+// A warp's part of the tile and its accumulators.
+template <int kAParts, int kBParts>
+struct Warp {
+  static_assert((kAParts == 1 || kAParts == 3) && (kBParts == 1 || kBParts == 3) &&
+                    kAParts * kBParts <= 3,
+                "one exact operand and at most one split one");
+  int gid, tig, m0, n_first, n_count;
+  uint32_t a_base, b_base;  // this lane's ldmatrix addresses in the first planes
+  float acc[5][4], cor[5][4];
+
+  // a and b: the first of their planes (the others follow kPlane apart).
+  __device__ __forceinline__ Warp(int lane, int warp, const __nv_bfloat16* a,
+                                  const __nv_bfloat16* b) {
+    gid = lane >> 2;
+    tig = lane & 3;
+    m0 = (warp & 3) * 16;
+    n_first = warp < 4 ? 0 : 5;
+    n_count = warp < 4 ? 5 : 4;
+    // ldmatrix.trans lane offsets: a as a[token][m], b as b[token][n]; see
+    // smat_chunk_bwd_mma.cu for the fragment layouts.
+    const int off_a = ((lane & 7) + (lane >> 4) * 8) * kLd + ((lane >> 3) & 1) * 8 + m0;
+    const int off_b = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8 + 8 * n_first;
+    a_base = mma_tiles::SmemAddr(a) + 2u * off_a;
+    b_base = mma_tiles::SmemAddr(b) + 2u * off_b;
+#pragma unroll
+    for (int j = 0; j < 5; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = cor[j][e] = 0.f;
+  }
+
+  // Tokens 16 ks .. 16 ks + 15 of the planes.
+  __device__ __forceinline__ void Step(int ks) {
+    using mma_tiles::Ldsm4T;
+    using mma_tiles::Mma;
+    const uint32_t row_bytes = 2u * 16u * kLd * ks;
+    uint32_t af[kAParts][4];
+#pragma unroll
+    for (int q = 0; q < kAParts; ++q) Ldsm4T(af[q], a_base + 2u * q * kPlane + row_bytes);
+#pragma unroll
+    for (int pp = 0; pp < 3; ++pp) {
+      if (2 * pp >= n_count) break;
+      uint32_t bf[kBParts][4];
+#pragma unroll
+      for (int q = 0; q < kBParts; ++q) {
+        Ldsm4T(bf[q], b_base + 2u * (q * kPlane + 16 * pp) + row_bytes);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * pp + half;
+        if (j >= n_count) break;
+        const uint32_t b0 = bf[0][2 * half], b1 = bf[0][2 * half + 1];
+        if constexpr (kAParts == 3) {
+          Mma(cor[j], af[2], b0, b1);
+          Mma(cor[j], af[1], b0, b1);
+          Mma(acc[j], af[0], b0, b1);
+        } else if constexpr (kBParts == 1) {
+          Mma(acc[j], af[0], b0, b1);
+        } else {
+          Mma(cor[j], af[0], bf[2][2 * half], bf[2][2 * half + 1]);
+          Mma(cor[j], af[0], bf[1][2 * half], bf[1][2 * half + 1]);
+          Mma(acc[j], af[0], b0, b1);
+        }
+      }
+    }
+  }
+
+  // The r x p result to dst (row-major, ld p) through os (r p floats of
+  // shared memory no warp reads any more), as whole 16-byte pieces where dst
+  // allows; every thread of the block calls it.
+  __device__ __forceinline__ void Store(int r, int p, float* os, float* __restrict__ dst, int tid,
+                                        int threads) const {
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 5; ++j) {
+      if (j >= n_count) break;
+      const int col = (n_first + j) * 8 + 2 * tig;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = m0 + gid + (e >= 2 ? 8 : 0), c = col + (e & 1);
+        if (row < r && c < p) {
+          os[row * p + c] = kAParts * kBParts == 1 ? acc[j][e] : acc[j][e] + cor[j][e];
+        }
+      }
+    }
+    __syncthreads();
+    const int n = r * p;
+    if (n % 4 == 0 && fast_tiles::Aligned16(dst)) {
+      for (int i = tid; i < n / 4; i += threads) {
+        reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(os)[i];
+      }
+    } else {
+      for (int i = tid; i < n; i += threads) dst[i] = os[i];
+    }
+  }
+};
+
+}  // namespace outer_tile
+}  // namespace smat
