@@ -5,7 +5,8 @@
 // smat_grouped.cu holds the general kernels and picks these when the sizes
 // fit. fp32 FFMA throughout, each output summed in a fixed order, no atomics.
 // Both run on tensor cores instead (smat_grouped_mma.cu) where
-// SmatUseMmaGrouped says so (SMAT_CUDA_GROUPED=mma|ffma).
+// SmatUseMmaGrouped says so (SMAT_CUDA_GROUPED=mma|ffma), and the reads of
+// bf16 rows by default where SmatUseReadsBf16 says so (smat_reads_bf16.cu).
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -321,6 +322,10 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& d, const SmatTokenGro
                                        float* out_r, float* out_v, bool assign_p,
                                        cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (SmatUseReadsBf16(d, kind, a, v)) {
+    return LaunchSmatReadsBf16(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r, out_v,
+                               assign_p, stream);
+  }
   if (SmatUseMmaGrouped(d, /*reads=*/true)) {
     return LaunchSmatGroupedReadsMma(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
                                      out_v, assign_p, stream);

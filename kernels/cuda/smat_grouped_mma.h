@@ -14,7 +14,8 @@ namespace smat {
 // true) run here: the sizes fit (c <= 128, r <= 64, p <= 72), the device has
 // sm_80 tensor cores and the shared memory, and SMAT_CUDA_GROUPED asks for
 // them: "mma" both, "ffma" neither (the FFMA kernels of smat_grouped_fast.cu);
-// unset, the outer sums run here and the reads on FFMA (the faster of each).
+// unset, the outer sums run here and the reads on FFMA (the faster of each),
+// except where the reads of smat_reads_bf16.cu take them (SmatUseReadsBf16).
 bool SmatUseMmaGrouped(const SmatCudaDims& dims, bool reads);
 
 // LaunchSmatGroupedOuterSum's contract (smat_cuda_kernels.h), on tensor cores.
@@ -42,5 +43,19 @@ cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& dims, const SmatTokenG
                                       const void* v, const float* g, const SmatTokenWeights& w,
                                       float* out_p, float* out_r, float* out_v, bool assign_p,
                                       cudaStream_t stream);
+
+// The reads with the tokens as the rows of tensor-core products
+// (smat_reads_bf16.cu): c <= 128, r, dv <= 64; kVecMat and kBoth with bf16
+// inputs, r % 8 == 0 and 16-byte aligned rows (kBoth: dv % 8 == 0 too),
+// kMatVec (gbar only) for either dtype. SmatUseReadsBf16: they fit and
+// SMAT_CUDA_GROUPED is not "ffma"; smat_grouped_fast.cu then runs them in
+// place of the FFMA and general tensor-core reads.
+bool SmatReadsBf16Fits(const SmatCudaDims& dims, SmatReadKind kind, const void* a, const void* v);
+bool SmatUseReadsBf16(const SmatCudaDims& dims, SmatReadKind kind, const void* a, const void* v);
+cudaError_t LaunchSmatReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                int segments, SmatReadKind kind, const float* M,
+                                const SmatMatrixLayout& m_layout, const void* a, const void* v,
+                                const float* g, const SmatTokenWeights& w, float* out_p,
+                                float* out_r, float* out_v, bool assign_p, cudaStream_t stream);
 
 }  // namespace smat

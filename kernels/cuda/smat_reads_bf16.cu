@@ -1,0 +1,443 @@
+// The per-token reads of a group's r x p matrix M (F7, B2, B4;
+// LaunchSmatGroupedReads's contract, smat_cuda_kernels.h) on tensor cores,
+// with the tokens as the rows of the product:
+//   kVecMat: out_p[i] (=|+=) w_i (a_i^T M)               a = phi (bf16)
+//   kMatVec: out_r[i] += w_i (M g_i)                      g = gbar (fp32)
+//   kBoth:   out_r[i] += w_i (M vbar_i), out_v[i] += w_i (M^T a_i)[0:dv]
+//                                                          a = psi, v (bf16)
+// M (fp32) is split once per block into three bf16 planes M = M1 + M2 + M3
+// (24 significant bits), staged [r][p] with a 176-byte row pitch, and serves
+// both orientations: ldmatrix.trans gives the B fragments of a_i^T M (k = the
+// row), plain ldmatrix those of M g_i (k = the column). bf16 token rows stay
+// bf16 from global to shared memory (cp.async, 16 bytes at a time) and enter
+// as one exact part: 3 MMAs per n8 tile and 16-token k step; gbar is split
+// into three parts as it is staged: the 6 products of mma_tiles::Mma3x3.
+// Column dv of g and of vbar (gbar's den column; vbar's ones) never enters a
+// product: its term g_i[dv] M[:, dv] is one fp32 multiply-add per output.
+//
+// The general kernel of smat_grouped_mma.cu stages tokens and M as fp32 and
+// splits them at every fragment load (two 4-byte shared loads per MMA); the
+// FFMA kernel of smat_grouped_fast.cu does 4 x 8 outputs per thread. Here a
+// 16-token step of a warp is one ldmatrix per token part and one per plane
+// and n8 pair.
+//
+// Shape: one block of 8 warps per (segment, group, b * H) (GroupGrid), the
+// segment's tokens 128 at a time; warp w owns tokens 16 w .. 16 w + 15 of a
+// tile and all their output columns, so a warp's results need no exchange.
+// Shared memory: the M planes (3 x [64][88] bf16, 33 KB), M[:, dv] (fp32),
+// the token planes ([128][72] bf16: one for phi, two for psi and v, three for
+// gbar), the token rows, weights and gbar[:, dv]: 54 / 73 / 92 KB for kVecMat /
+// kBoth / kMatVec, four / three / two blocks per SM.
+//
+// Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
+// d = 2, 2026-12-01), against the FFMA kernel: ProfilePoolingBackward (kBoth)
+// 1.52 -> 0.95 ms, TypeReads (=) (kVecMat) 0.75 -> 0.71 ms. kMatVec is slower
+// than FFMA (TypeReadsBackward 1.78 against 1.60 ms: 6 MMAs per tile, two
+// blocks per SM, 27% of DRAM bandwidth), so SmatUseReadsBf16 leaves it to
+// SMAT_CUDA_GROUPED=mma. kVecMat is bound by neither pipe (Nsight Compute:
+// 46% of the SM, 29% of DRAM): its p-wide output rows (65 floats) leave as
+// single floats.
+//
+// Exactness: the scheme of smat_chunk_mma.cu (the correction terms in an
+// accumulator of their own, smallest first, added to the leading one at the
+// end); w_i times the sum is rounded on its own, as in the other read kernels.
+// Each output is summed in a fixed order by one thread, no atomics: the same
+// inputs give the same bits. Tests: tests/gpu/smat_gpu_test.cc (every read
+// phase against the CPU within 1e-5).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_fast_tiles.cuh"
+#include "kernels/cuda/smat_grouped_mma.h"
+#include "kernels/cuda/smat_mma.cuh"
+
+namespace smat {
+namespace {
+
+using cuda_detail::TokenRow;
+using fast_tiles::Aligned16;
+using mma_tiles::CpAsync16;
+using mma_tiles::CpAsyncWaitAll;
+using mma_tiles::Ldsm4;
+using mma_tiles::Ldsm4T;
+using mma_tiles::SmemAddr;
+
+constexpr int kThreads = 256;
+constexpr int kC = 128;               // tokens staged at a time
+constexpr int kW = 64;                // widest r or dv
+constexpr int kLdT = 72;              // bf16 pitch of a token plane (144 bytes)
+constexpr int kTokPlane = kC * kLdT;  // bf16 elements of a token plane
+constexpr int kLdM = 88;              // bf16 pitch of an M plane (176 bytes; p <= 80)
+constexpr int kMPlane = kW * kLdM;    // bf16 elements of an M plane
+
+// Token planes per kind: phi; v then psi; gbar in three parts.
+constexpr int TokenPlanes(SmatReadKind kind) {
+  return kind == SmatReadKind::kVecMat ? 1 : kind == SmatReadKind::kBoth ? 2 : 3;
+}
+
+// Byte offsets: M planes, M[:, dv] (fp32 [kW]), token planes, rows (int64
+// [kC]), weights and gbar[:, dv] (fp32 [kC] each).
+constexpr int kOffMcol = 3 * kMPlane * 2;
+constexpr int kOffTok = kOffMcol + kW * 4;
+constexpr int OffRows(SmatReadKind kind) { return kOffTok + TokenPlanes(kind) * kTokPlane * 2; }
+constexpr int SmemBytes(SmatReadKind kind) { return OffRows(kind) + kC * 8 + 2 * kC * 4; }
+static_assert(kOffTok % 16 == 0 && OffRows(SmatReadKind::kBoth) % 16 == 0,
+              "planes and rows must be 16-byte aligned");
+
+// The three bf16 planes of M (r x p, row-major) as [64][kLdM], zero outside
+// M, and mcol = M[:, dv] (zero for rows >= r). Columns 80.. are never read.
+// Loads go in two rounds of five pairs per thread, each round's loads issued
+// before its first split.
+__device__ __forceinline__ void StageMatrix(const float* __restrict__ M, int r, int p, int dv,
+                                            __nv_bfloat16* planes, float* mcol) {
+  constexpr int kPairs = 40;  // column pairs staged per row
+  constexpr int kPer = 5;
+  static_assert(kW * kPairs == 2 * kPer * kThreads && 2 * kPairs <= kLdM, "two whole rounds");
+  if (threadIdx.x < kW) mcol[threadIdx.x] = threadIdx.x < r ? __ldg(&M[threadIdx.x * p + dv]) : 0.f;
+#pragma unroll 1
+  for (int round = 0; round < 2; ++round) {
+    float x[kPer][2];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int e = threadIdx.x + (round * kPer + u) * kThreads, row = e / kPairs;
+      const int c = 2 * (e - row * kPairs), rc = min(row, r - 1);
+      const float y0 = __ldg(&M[rc * p + min(c, p - 1)]);
+      const float y1 = __ldg(&M[rc * p + min(c + 1, p - 1)]);
+      x[u][0] = row < r && c < p ? y0 : 0.f;
+      x[u][1] = row < r && c + 1 < p ? y1 : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int e = threadIdx.x + (round * kPer + u) * kThreads, row = e / kPairs;
+      const int c = 2 * (e - row * kPairs);
+      uint32_t p1, p2, p3;
+      mma_tiles::Split3(x[u][0], x[u][1], p1, p2, p3);
+      uint32_t* to = reinterpret_cast<uint32_t*>(planes + row * kLdM + c);
+      to[0] = p1;
+      to[kMPlane / 2] = p2;
+      to[kMPlane] = p3;
+    }
+  }
+}
+
+// dst[t][0 .. width) = bf16 row rows[t] of src (width % 8 == 0, 16-byte
+// aligned rows) for t < nt, zeros for nt <= t < kC; columns width.. are left
+// alone (zeroed once per block).
+__device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__ src,
+                                               const int64_t* rows, int width, int nt,
+                                               __nv_bfloat16* dst) {
+  const int pieces = width >> 3;
+  for (int e = threadIdx.x; e < kC * pieces; e += kThreads) {
+    const int t = e / pieces, q = e - t * pieces;
+    __nv_bfloat16* to = dst + t * kLdT + 8 * q;
+    if (t < nt) {
+      CpAsync16(SmemAddr(to), src + rows[t] * width + 8 * q);
+    } else {
+      *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// gbar rows (fp32, width p = dv + 1): columns < dv in three bf16 planes,
+// column dv to gcol; zeros for nt <= t < kC.
+__device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
+                                               int dv, int nt, __nv_bfloat16* dst, float* gcol) {
+  constexpr int kBatch = 8;  // loads in flight per thread
+  const int p = dv + 1, total = kC * p;
+  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
+    float x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
+      x[u] = e < total && t < nt ? __ldg(&src[rows[t] * p + c]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
+      if (e >= total) continue;
+      if (c == dv) {
+        gcol[t] = x[u];
+        continue;
+      }
+      const __nv_bfloat16 x1 = __float2bfloat16_rn(x[u]);
+      const float r1 = x[u] - __bfloat162float(x1);  // exact
+      const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
+      const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
+      __nv_bfloat16* to = dst + t * kLdT + c;
+      to[0] = x1;
+      to[kTokPlane] = x2;
+      to[2 * kTokPlane] = x3;
+    }
+  }
+}
+
+// hi/lo[j] (j < kN) = the warp's 16 tokens (kAParts planes from a_addr, this
+// lane's ldmatrix address in the first) times M's n8 tiles j0 + j < n_tiles,
+// over `ksteps` 16-wide k steps; kTrans: k is M's row (a^T M), else its
+// column (M g).
+template <int kAParts, int kN, bool kTrans>
+__device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ksteps, int j0,
+                                        int n_tiles, float (&hi)[kN][4], float (&lo)[kN][4]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hi[j][e] = lo[j][e] = 0.f;
+  for (int ks = 0; ks < ksteps; ++ks) {
+    uint32_t a[kAParts][4];
+#pragma unroll
+    for (int q = 0; q < kAParts; ++q) Ldsm4(a[q], a_addr + 2u * (q * kTokPlane + 16 * ks));
+#pragma unroll
+    for (int pp = 0; pp < (kN + 1) / 2; ++pp) {
+      const int j = j0 + 2 * pp;  // the pair's first n8 tile
+      if (j >= n_tiles) break;
+      uint32_t b[3][4];
+      const int off = kTrans ? 16 * ks * kLdM + 8 * j : 8 * j * kLdM + 16 * ks;
+#pragma unroll
+      for (int q = 0; q < 3; ++q) {
+        if (kTrans) {
+          Ldsm4T(b[q], b_addr + 2u * (q * kMPlane + off));
+        } else {
+          Ldsm4(b[q], b_addr + 2u * (q * kMPlane + off));
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int jj = 2 * pp + half;
+        if (jj >= kN || j0 + jj >= n_tiles) break;
+        const uint32_t bb[3][2] = {{b[0][2 * half], b[0][2 * half + 1]},
+                                   {b[1][2 * half], b[1][2 * half + 1]},
+                                   {b[2][2 * half], b[2][2 * half + 1]}};
+        if constexpr (kAParts == 1) {
+          mma_tiles::Mma1x3(hi[jj], lo[jj], a[0], bb);
+        } else {
+          mma_tiles::Mma3x3(hi[jj], lo[jj], a, bb);
+        }
+      }
+    }
+  }
+}
+
+// How column dv of the token side enters: not at all (a^T M), as vbar's ones
+// (M vbar) or as gbar[:, dv] (M g).
+enum class Den { kNone, kOnes, kG };
+
+// out[rows[t]][n] (=|+=) w[t] ((hi + lo) + den_t M[n][dv]) for the warp's
+// tokens t < nt and the columns n < width of n8 tiles j0 + j; the old values
+// of a row are loaded before any is stored; (n, n + 1) as one float2 where
+// width is even and out 8-byte aligned.
+template <int kN, Den kDen>
+__device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float (&lo)[kN][4],
+                                          int t0, int j0, int nt, const int64_t* rows,
+                                          const float* w, const float* gcol, const float* mcol,
+                                          int width, bool assign, float* __restrict__ out) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const bool pairs = width % 2 == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int t = t0 + g + 8 * hr;
+    if (t >= nt) continue;
+    float* o = out + rows[t] * width;
+    const float wt = w[t];
+    const float den = kDen == Den::kG ? gcol[t] : 1.f;
+    float y[kN][2], old[kN][2];
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = 8 * (j0 + j) + 2 * tq + e;
+        float s = hi[j][2 * hr + e] + lo[j][2 * hr + e];
+        if (kDen != Den::kNone) s = fmaf(den, mcol[n < kW ? n : 0], s);
+        y[j][e] = __fmul_rn(wt, s);
+        old[j][e] = 0.f;
+      }
+    if (!assign) {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        const int n = 8 * (j0 + j) + 2 * tq;
+        if (pairs && n < width) {
+          const float2 x = *reinterpret_cast<const float2*>(o + n);
+          old[j][0] = x.x;
+          old[j][1] = x.y;
+        } else if (!pairs) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) old[j][e] = n + e < width ? o[n + e] : 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const int n = 8 * (j0 + j) + 2 * tq;
+      if (pairs) {
+        if (n < width) {
+          *reinterpret_cast<float2*>(o + n) = make_float2(old[j][0] + y[j][0], old[j][1] + y[j][1]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (n + e < width) o[n + e] = old[j][e] + y[j][e];
+        }
+      }
+    }
+  }
+}
+
+// GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kRead).
+template <SmatReadKind kRead>
+__global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
+                                            : kRead == SmatReadKind::kBoth ? 3
+                                                                           : 2)
+    ReadsBf16Kernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
+                    const float* __restrict__ M, SmatMatrixLayout lay,
+                    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ v,
+                    const float* __restrict__ gsrc, SmatTokenWeights tw, float* __restrict__ out_p,
+                    float* __restrict__ out_r, float* __restrict__ out_v, bool assign_p) {
+  extern __shared__ uint4 smem_u4[];
+  char* smem = reinterpret_cast<char*>(smem_u4);
+  __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* mcol = reinterpret_cast<float*>(smem + kOffMcol);
+  __nv_bfloat16* Ts = reinterpret_cast<__nv_bfloat16*>(smem + kOffTok);
+  int64_t* rows = reinterpret_cast<int64_t*>(smem + OffRows(kRead));
+  float* w = reinterpret_cast<float*>(rows + kC);
+  float* gcol = w + kC;
+  const cuda_detail::GroupBlock blk(groups, d, segments);
+  if (blk.lo >= blk.hi) return;  // uniform over the block
+  const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int kPlanes = TokenPlanes(kRead);
+
+  // Token columns no staging writes are zero: kVecMat's and psi's r.., v's and
+  // gbar's dv.. (M's column dv must meet zeros there).
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+  for (int e = tid; e < kTokPlane; e += kThreads) {
+    const int c = e % kLdT;
+#pragma unroll
+    for (int q = 0; q < kPlanes; ++q) {
+      const int width =
+          kRead == SmatReadKind::kVecMat || (kRead == SmatReadKind::kBoth && q == 1) ? r : dv;
+      if (c >= width) Ts[q * kTokPlane + e] = zero;
+    }
+  }
+
+  // This lane's ldmatrix addresses: the token planes as A (rows = tokens), M
+  // as B by rows n (plain) or rows k (.trans).
+  const uint32_t a_addr = SmemAddr(Ts) + 2u * ((16 * warp + (lane & 15)) * kLdT + (lane >> 4) * 8);
+  const uint32_t b_plain =
+      SmemAddr(Ms) + 2u * (((lane & 7) + (lane >> 4) * 8) * kLdM + ((lane >> 3) & 1) * 8);
+  const uint32_t b_trans =
+      SmemAddr(Ms) + 2u * (((lane & 7) + ((lane >> 3) & 1) * 8) * kLdM + (lane >> 4) * 8);
+  const int kr = (r + 15) >> 4, kv = (dv + 15) >> 4;  // k steps over r and over dv
+
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
+    __syncthreads();  // the previous tile is consumed; the padding is written
+    if (tid < nt) {
+      const int64_t i = blk.cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, blk.b, i, blk.h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
+    }
+    __syncthreads();
+    if constexpr (kRead == SmatReadKind::kVecMat) {
+      StageRowsAsync(a, rows, r, nt, Ts);
+    } else if constexpr (kRead == SmatReadKind::kBoth) {
+      StageRowsAsync(v, rows, dv, nt, Ts);
+      StageRowsAsync(a, rows, r, nt, Ts + kTokPlane);
+    } else {
+      StageSplitRows(gsrc, rows, dv, nt, Ts, gcol);
+    }
+    // M once per block, while the first tile's rows are on their way.
+    if (j0 == blk.lo) StageMatrix(blk.Matrix(M, lay, r, p), r, p, dv, Ms, mcol);
+    CpAsyncWaitAll();
+    __syncthreads();
+    if (16 * warp >= nt) continue;
+
+    if constexpr (kRead == SmatReadKind::kVecMat) {
+      const int n_tiles = (p + 7) >> 3;
+      for (int j0n = 0; j0n < n_tiles; j0n += 3) {  // passes of 3 n8 tiles (64 registers)
+        float hi[3][4], lo[3][4];
+        Product<1, 3, true>(a_addr, b_trans, kr, j0n, n_tiles, hi, lo);
+        StoreRows<3, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, p, assign_p,
+                                 out_p);
+      }
+    } else if constexpr (kRead == SmatReadKind::kMatVec) {
+      float hi[8][4], lo[8][4];
+      Product<3, 8, false>(a_addr, b_plain, kv, 0, (r + 7) >> 3, hi, lo);
+      StoreRows<8, Den::kG>(hi, lo, 16 * warp, 0, nt, rows, w, gcol, mcol, r, false, out_r);
+    } else {
+      // Passes of 4 n8 tiles (80 registers at three blocks per SM).
+      for (int j0n = 0; 8 * j0n < r; j0n += 4) {
+        float hi[4][4], lo[4][4];
+        Product<1, 4, false>(a_addr, b_plain, kv, j0n, (r + 7) >> 3, hi, lo);
+        StoreRows<4, Den::kOnes>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, r, false, out_r);
+      }
+      for (int j0n = 0; 8 * j0n < dv; j0n += 4) {
+        float hi[4][4], lo[4][4];
+        Product<1, 4, true>(a_addr + 2u * kTokPlane, b_trans, kr, j0n, (dv + 7) >> 3, hi, lo);
+        StoreRows<4, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, dv, false, out_v);
+      }
+    }
+  }
+}
+
+template <SmatReadKind kRead>
+cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                   const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                   const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                   float* out_v, bool assign_p, cudaStream_t stream) {
+  auto kernel = ReadsBf16Kernel<kRead>;
+  constexpr int kSmem = SmemBytes(kRead);
+  const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
+  kernel<<<grid, kThreads, kSmem, stream>>>(
+      d, groups, segments, M, lay, static_cast<const __nv_bfloat16*>(a),
+      static_cast<const __nv_bfloat16*>(v), g, w, out_p, out_r, out_v, assign_p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool SmatReadsBf16Fits(const SmatCudaDims& d, SmatReadKind kind, const void* a, const void* v) {
+  if (d.chunk > kC || d.r <= 0 || d.r > kW || d.dv <= 0 || d.dv > kW) return false;
+  // kMatVec reads gbar (fp32) only; the others bf16 rows by 16-byte pieces.
+  if (kind != SmatReadKind::kMatVec) {
+    if (!d.bf16 || d.r % 8 != 0 || !Aligned16(a)) return false;
+    if (kind == SmatReadKind::kBoth && (d.dv % 8 != 0 || !Aligned16(v))) return false;
+  }
+  return SmatDeviceRunsMma(SmemBytes(kind));
+}
+
+bool SmatUseReadsBf16(const SmatCudaDims& d, SmatReadKind kind, const void* a, const void* v) {
+  // kMatVec stays on FFMA unless SMAT_CUDA_GROUPED=mma: with gbar in three
+  // parts (6 MMAs per tile, two blocks per SM) TypeReadsBackward took 1.83 ms
+  // here against 1.62 ms (H200, bf16, T = 524288, d = 2, 8 heads).
+  const char* env = std::getenv("SMAT_CUDA_GROUPED");
+  if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
+  const bool forced = env != nullptr && std::strcmp(env, "mma") == 0;
+  if (kind == SmatReadKind::kMatVec && !forced) return false;
+  return SmatReadsBf16Fits(d, kind, a, v);
+}
+
+cudaError_t LaunchSmatReadsBf16(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                                SmatReadKind kind, const float* M, const SmatMatrixLayout& lay,
+                                const void* a, const void* v, const float* g,
+                                const SmatTokenWeights& w, float* out_p, float* out_r, float* out_v,
+                                bool assign_p, cudaStream_t stream) {
+  if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  switch (kind) {
+    case SmatReadKind::kVecMat:
+      return Launch<SmatReadKind::kVecMat>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
+                                           out_v, assign_p, stream);
+    case SmatReadKind::kMatVec:
+      return Launch<SmatReadKind::kMatVec>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
+                                           out_v, assign_p, stream);
+    case SmatReadKind::kBoth:
+      return Launch<SmatReadKind::kBoth>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
+                                         out_v, assign_p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace smat
