@@ -373,6 +373,25 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
                                       &scratch, s, &groups, &w));
     const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
+    if (SmatTypeReadsBackwardBf16Fits(d, phi.raw())) {
+      // Both in one pass over the tokens; U_bar's segments summed after it.
+      const int64_t G = groups.num_groups;
+      const int segments = SegmentsFor(groups.end - groups.begin, G);
+      float* out = F32(U_bar);
+      SmatMatrixLayout out_lay = lay;
+      if (segments > 1) {
+        SMAT_ASSIGN_OR_RETURN(out, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.H * G *
+                                                      segments * d.r * d.p));
+        out_lay = SmatMatrixLayout{static_cast<int64_t>(d.H) * G, 1, G};
+      }
+      SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatTypeReadsBackwardBf16(d, groups, segments, F32(U), lay,
+                                                                phi.raw(), F32(gbar), w, out_lay,
+                                                                out, F32(phi_bar), s));
+      if (segments == 1) return absl::OkStatus();
+      return CudaStatus(
+          LaunchSmatReduceSegments(d, groups.num_groups, segments, out, lay, F32(U_bar), s),
+          "TypeReadsBackward kernel");
+    }
     // U_bar[h] = sum_t gate_t phi_t gbar_t^T (written in full, zeros when the
     // span has no recent tokens), then phi_bar_t += gate_t U[type(t)] gbar_t.
     SMAT_RETURN_IF_ERROR(GroupedSum(d, groups, groups.end - groups.begin, phi.raw(), gbar.raw(),

@@ -290,6 +290,24 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& dims, const 
                                                 float* psi_bar, float* v_bar, bool assign,
                                                 cudaStream_t stream);
 
+// ---- smat_reads_bf16.cu ---------------------------------------------------------
+
+// TypeReadsBackward (U_bar's outer sums over the recent tokens of each type
+// and segment, and phi_bar += w U gbar) in one pass over the tokens
+// (smat_reads_bf16.cu): bf16 inputs, c <= 128, r % 8 == 0, r, dv <= 64,
+// phi's rows 16-byte aligned, where the grouped phases take their fast
+// kernels (SmatUseFastChunkTiles) and the outer sums run on tensor cores
+// (SmatUseMmaGrouped; not with SMAT_CUDA_GROUPED=ffma). U_bar's partial sums go to
+// `U_bar` in `out_layout` with `segments` per type, as
+// LaunchSmatGroupedOuterSum writes them.
+bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& dims, const void* phi);
+cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                            int segments, const float* U,
+                                            const SmatMatrixLayout& u_layout, const void* phi,
+                                            const float* gbar, const SmatTokenWeights& w,
+                                            const SmatMatrixLayout& out_layout, float* U_bar,
+                                            float* phi_bar, cudaStream_t stream);
+
 // ---- smat_state_grads.cu --------------------------------------------------------
 
 // B1 + B5 in one kernel (SmatKernels::NormalizeBackwardStates): gbar,

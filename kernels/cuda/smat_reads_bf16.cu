@@ -32,11 +32,15 @@
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
 // d = 2, 2026-12-01), against the FFMA kernel: ProfilePoolingBackward (kBoth)
 // 1.52 -> 0.95 ms, TypeReads (=) (kVecMat) 0.75 -> 0.71 ms. kMatVec is slower
-// than FFMA (TypeReadsBackward 1.78 against 1.60 ms: 6 MMAs per tile, two
-// blocks per SM, 27% of DRAM bandwidth), so SmatUseReadsBf16 leaves it to
+// than FFMA (TypeReadsBackward 1.68 against 1.60 ms, gated 2.18 against 2.03:
+// 6 MMAs per tile at two blocks per SM; 1.78 ms with 8 of gbar's loads in
+// flight per thread instead of all), so SmatUseReadsBf16 leaves it to
 // SMAT_CUDA_GROUPED=mma. kVecMat is bound by neither pipe (Nsight Compute:
 // 46% of the SM, 29% of DRAM): its p-wide output rows (65 floats) leave as
 // single floats.
+//
+// TypeReadsBackwardKernel (further down) fuses kMatVec with the outer sums
+// of U_bar over the same tokens, gbar staged once for both.
 //
 // Exactness: the scheme of smat_chunk_mma.cu (the correction terms in an
 // accumulator of their own, smallest first, added to the leading one at the
@@ -54,6 +58,7 @@
 #include "kernels/cuda/smat_fast_tiles.cuh"
 #include "kernels/cuda/smat_grouped_mma.h"
 #include "kernels/cuda/smat_mma.cuh"
+#include "kernels/cuda/smat_outer_tile.cuh"
 
 namespace smat {
 namespace {
@@ -74,6 +79,11 @@ constexpr int kTokPlane = kC * kLdT;  // bf16 elements of a token plane
 constexpr int kLdM = 88;              // bf16 pitch of an M plane (176 bytes; p <= 80)
 constexpr int kMPlane = kW * kLdM;    // bf16 elements of an M plane
 
+// gbar's loads in flight per thread as it is split: all of a tile's (kMatVec)
+// or, beside U_bar's accumulators, a third (TypeReadsBackwardKernel).
+constexpr int kSplitLoads = (kC * (kW + 1) + kThreads - 1) / kThreads;
+constexpr int kFusedSplitLoads = (kSplitLoads + 2) / 3;
+
 // Token planes per kind: phi; v then psi; gbar in three parts.
 constexpr int TokenPlanes(SmatReadKind kind) {
   return kind == SmatReadKind::kVecMat ? 1 : kind == SmatReadKind::kBoth ? 2 : 3;
@@ -88,12 +98,13 @@ constexpr int SmemBytes(SmatReadKind kind) { return OffRows(kind) + kC * 8 + 2 *
 static_assert(kOffTok % 16 == 0 && OffRows(SmatReadKind::kBoth) % 16 == 0,
               "planes and rows must be 16-byte aligned");
 
-// The three bf16 planes of M (r x p, row-major) as [64][kLdM], zero outside
-// M, and mcol = M[:, dv] (zero for rows >= r). Columns 80.. are never read.
+// The three bf16 planes of M's columns < cols (r x p, row-major) as
+// [64][kLdM], zero elsewhere, and mcol = M[:, dv] (zero for rows >= r).
+// Columns 80.. are never read.
 // Loads go in two rounds of five pairs per thread, each round's loads issued
 // before its first split.
 __device__ __forceinline__ void StageMatrix(const float* __restrict__ M, int r, int p, int dv,
-                                            __nv_bfloat16* planes, float* mcol) {
+                                            int cols, __nv_bfloat16* planes, float* mcol) {
   constexpr int kPairs = 40;  // column pairs staged per row
   constexpr int kPer = 5;
   static_assert(kW * kPairs == 2 * kPer * kThreads && 2 * kPairs <= kLdM, "two whole rounds");
@@ -107,8 +118,8 @@ __device__ __forceinline__ void StageMatrix(const float* __restrict__ M, int r, 
       const int c = 2 * (e - row * kPairs), rc = min(row, r - 1);
       const float y0 = __ldg(&M[rc * p + min(c, p - 1)]);
       const float y1 = __ldg(&M[rc * p + min(c + 1, p - 1)]);
-      x[u][0] = row < r && c < p ? y0 : 0.f;
-      x[u][1] = row < r && c + 1 < p ? y1 : 0.f;
+      x[u][0] = row < r && c < cols ? y0 : 0.f;
+      x[u][1] = row < r && c + 1 < cols ? y1 : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
@@ -143,10 +154,13 @@ __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__
 }
 
 // gbar rows (fp32, width p = dv + 1): columns < dv in three bf16 planes,
-// column dv to gcol; zeros for nt <= t < kC.
+// column dv to gcol; zeros for nt <= t < kC. kWeighted: w[t] gbar_t (each
+// product rounded to fp32) instead, column dv in the planes too. kBatch
+// loads in flight per thread.
+template <bool kWeighted, int kBatch>
 __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
-                                               int dv, int nt, __nv_bfloat16* dst, float* gcol) {
-  constexpr int kBatch = 8;  // loads in flight per thread
+                                               const float* w, int dv, int nt, __nv_bfloat16* dst,
+                                               float* gcol) {
   const int p = dv + 1, total = kC * p;
   for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
     float x[kBatch];
@@ -159,12 +173,13 @@ __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, co
     for (int u = 0; u < kBatch; ++u) {
       const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
       if (e >= total) continue;
+      const float y = kWeighted && t < nt ? w[t] * x[u] : x[u];
       if (c == dv) {
-        gcol[t] = x[u];
-        continue;
+        gcol[t] = y;
+        if (!kWeighted) continue;
       }
-      const __nv_bfloat16 x1 = __float2bfloat16_rn(x[u]);
-      const float r1 = x[u] - __bfloat162float(x1);  // exact
+      const __nv_bfloat16 x1 = __float2bfloat16_rn(y);
+      const float r1 = y - __bfloat162float(x1);  // exact
       const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
       const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
       __nv_bfloat16* to = dst + t * kLdT + c;
@@ -225,7 +240,7 @@ __device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ks
 // (M vbar) or as gbar[:, dv] (M g).
 enum class Den { kNone, kOnes, kG };
 
-// out[rows[t]][n] (=|+=) w[t] ((hi + lo) + den_t M[n][dv]) for the warp's
+// out[rows[t]][n] (=|+=) w[t] ((hi + lo) + den_t M[n][dv]) (w null: 1) for the warp's
 // tokens t < nt and the columns n < width of n8 tiles j0 + j; the old values
 // of a row are loaded before any is stored; (n, n + 1) as one float2 where
 // width is even and out 8-byte aligned.
@@ -241,7 +256,7 @@ __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float 
     const int t = t0 + g + 8 * hr;
     if (t >= nt) continue;
     float* o = out + rows[t] * width;
-    const float wt = w[t];
+    const float wt = w != nullptr ? w[t] : 1.f;
     const float den = kDen == Den::kG ? gcol[t] : 1.f;
     float y[kN][2], old[kN][2];
 #pragma unroll
@@ -345,10 +360,12 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
       StageRowsAsync(v, rows, dv, nt, Ts);
       StageRowsAsync(a, rows, r, nt, Ts + kTokPlane);
     } else {
-      StageSplitRows(gsrc, rows, dv, nt, Ts, gcol);
+      // Every load of a thread in flight at once (one memory latency per
+      // tile, not five): the product's accumulators are not live here.
+      StageSplitRows<false, kSplitLoads>(gsrc, rows, w, dv, nt, Ts, gcol);
     }
     // M once per block, while the first tile's rows are on their way.
-    if (j0 == blk.lo) StageMatrix(blk.Matrix(M, lay, r, p), r, p, dv, Ms, mcol);
+    if (j0 == blk.lo) StageMatrix(blk.Matrix(M, lay, r, p), r, p, dv, p, Ms, mcol);
     CpAsyncWaitAll();
     __syncthreads();
     if (16 * warp >= nt) continue;
@@ -381,6 +398,90 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
   }
 }
 
+// ---- TypeReadsBackward in one pass ----------------------------------------------
+// Over the recent tokens t of a type's segment, with wg_t = w_t gbar_t (fp32
+// products, split into three bf16 planes once):
+//   U_bar[type, segment] = sum_t phi_t wg_t^T      (the tile of smat_outer_tile.cuh)
+//   phi_bar_t += U[type] wg_t                       (as kMatVec above)
+// Both read the same staged rows, so gbar is loaded and split once, not twice.
+// U's planes keep its columns < dv only: wg's column dv (in the planes, for
+// U_bar) meets zeros there and enters phi_bar as wg_t[dv] U[:, dv] in fp32.
+// Shared memory: U's planes, U[:, dv], phi and the three planes of wg, the
+// rows, weights and wg[:, dv]: 107 KB, two blocks per SM. Ungated (w = 1) the
+// U_bar tile sums the bf16 outer sums' planes in their order: the same bits
+// as LaunchSmatOuterSumBf16. Gated, the weight goes to gbar, so U_bar's
+// product stays 3 MMAs (the general kernel weights phi: 6). H200, bf16,
+// T = 524288, d = 2, 8 heads: TypeReadsBackward 1.61 ms ungated (1.60 in two
+// passes), 1.68 ms gated (2.03).
+constexpr int kFusedOffRows = kOffTok + 4 * kTokPlane * 2;
+constexpr int kFusedSmemBytes = kFusedOffRows + kC * 8 + 2 * kC * 4;
+
+__global__ void __launch_bounds__(kThreads, 2)
+    TypeReadsBackwardKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
+                            const float* __restrict__ U, SmatMatrixLayout lay,
+                            const __nv_bfloat16* __restrict__ phi, const float* __restrict__ gbar,
+                            SmatTokenWeights tw, SmatMatrixLayout out_lay,
+                            float* __restrict__ U_bar, float* __restrict__ phi_bar) {
+  extern __shared__ uint4 smem_u4[];
+  char* smem = reinterpret_cast<char*>(smem_u4);
+  __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* mcol = reinterpret_cast<float*>(smem + kOffMcol);
+  __nv_bfloat16* Ph = reinterpret_cast<__nv_bfloat16*>(smem + kOffTok);
+  __nv_bfloat16* Gs = Ph + kTokPlane;  // the three planes of wg
+  int64_t* rows = reinterpret_cast<int64_t*>(smem + kFusedOffRows);
+  float* w = reinterpret_cast<float*>(rows + kC);
+  float* gcol = w + kC;
+  const cuda_detail::GroupBlock blk(groups, d, segments);
+  const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  // Columns no staging writes: phi's r.., wg's p.. .
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+  for (int e = tid; e < kTokPlane; e += kThreads) {
+    const int c = e % kLdT;
+    if (c >= r) Ph[e] = zero;
+    if (c >= p) {
+#pragma unroll
+      for (int q = 0; q < 3; ++q) Gs[q * kTokPlane + e] = zero;
+    }
+  }
+  outer_tile::Warp<1, 3> tile(lane, warp, Ph, Gs);
+  const uint32_t a_addr = SmemAddr(Gs) + 2u * ((16 * warp + (lane & 15)) * kLdT + (lane >> 4) * 8);
+  const uint32_t b_plain =
+      SmemAddr(Ms) + 2u * (((lane & 7) + (lane >> 4) * 8) * kLdM + ((lane >> 3) & 1) * 8);
+  const int kv = (dv + 15) >> 4, n_tiles = (r + 7) >> 3;
+
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
+    __syncthreads();  // the previous tile is consumed; the padding is written
+    if (tid < nt) {
+      const int64_t i = blk.cur.Token(j0 + tid);
+      rows[tid] = TokenRow(d, blk.b, i, blk.h);
+      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
+    }
+    __syncthreads();
+    StageRowsAsync(phi, rows, r, nt, Ph);
+    // U_bar's accumulators stay live: fewer loads in flight.
+    StageSplitRows<true, kFusedSplitLoads>(gbar, rows, w, dv, nt, Gs, gcol);
+    if (j0 == blk.lo) StageMatrix(blk.Matrix(U, lay, r, p), r, p, dv, dv, Ms, mcol);
+    CpAsyncWaitAll();
+    __syncthreads();
+    const int ksteps = (nt + 15) >> 4;
+    for (int ks = 0; ks < ksteps; ++ks) tile.Step(ks);
+    if (16 * warp < nt) {
+      for (int j0n = 0; j0n < n_tiles; j0n += 4) {
+        float hi[4][4], lo[4][4];
+        Product<3, 4, false>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
+        StoreRows<4, Den::kG>(hi, lo, 16 * warp, j0n, nt, rows, nullptr, gcol, mcol, r, false,
+                              phi_bar);
+      }
+    }
+  }
+  // U_bar's tile through U's planes (no warp reads them any more), written
+  // in full: zeros for a segment without tokens.
+  tile.Store(r, p, reinterpret_cast<float*>(Ms),
+             blk.Matrix(U_bar, out_lay, r, p, segments, blk.seg), tid, kThreads);
+}
+
 template <SmatReadKind kRead>
 cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
                    const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
@@ -409,10 +510,35 @@ bool SmatReadsBf16Fits(const SmatCudaDims& d, SmatReadKind kind, const void* a, 
   return SmatDeviceRunsMma(SmemBytes(kind));
 }
 
+bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& d, const void* phi) {
+  if (!d.bf16 || d.chunk > kC || d.r <= 0 || d.r > kW || d.r % 8 != 0) return false;
+  if (d.dv <= 0 || d.dv > kW || !Aligned16(phi)) return false;
+  const char* env = std::getenv("SMAT_CUDA_GROUPED");
+  if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
+  if (!SmatUseFastChunkTiles(d) || !SmatUseMmaGrouped(d, /*reads=*/false)) return false;
+  return SmatDeviceRunsMma(kFusedSmemBytes);
+}
+
+cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTokenGroups& groups,
+                                            int segments, const float* U,
+                                            const SmatMatrixLayout& lay, const void* phi,
+                                            const float* gbar, const SmatTokenWeights& w,
+                                            const SmatMatrixLayout& out_lay, float* U_bar,
+                                            float* phi_bar, cudaStream_t stream) {
+  if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  const cudaError_t err = mma_tiles::AllowSharedMemory(TypeReadsBackwardKernel, kFusedSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
+  TypeReadsBackwardKernel<<<grid, kThreads, kFusedSmemBytes, stream>>>(
+      d, groups, segments, U, lay, static_cast<const __nv_bfloat16*>(phi), gbar, w, out_lay, U_bar,
+      phi_bar);
+  return cudaGetLastError();
+}
+
 bool SmatUseReadsBf16(const SmatCudaDims& d, SmatReadKind kind, const void* a, const void* v) {
   // kMatVec stays on FFMA unless SMAT_CUDA_GROUPED=mma: with gbar in three
-  // parts (6 MMAs per tile, two blocks per SM) TypeReadsBackward took 1.83 ms
-  // here against 1.62 ms (H200, bf16, T = 524288, d = 2, 8 heads).
+  // parts (6 MMAs per tile, two blocks per SM) TypeReadsBackward takes 1.68 ms
+  // here against 1.60 ms (H200, bf16, T = 524288, d = 2, 8 heads).
   const char* env = std::getenv("SMAT_CUDA_GROUPED");
   if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
   const bool forced = env != nullptr && std::strcmp(env, "mma") == 0;
