@@ -20,7 +20,7 @@
 // zero beyond the chunk's tokens and widths. The ones column of vbar never
 // enters a product: its terms are fp32 additions (gbar[t][dv] in every score
 // G[t, s], D_bar[:, dv] in the key side, gbar[t][dv] S_in[:, dv] in the query
-// side). 111 KB of shared memory and <= 128 registers: two blocks per SM, so
+// side). 112 KB of shared memory and <= 128 registers: two blocks per SM, so
 // one block's staging overlaps the other's products.
 //
 // Products: mma.sync m16n8k16 bf16 with fp32 accumulation. Each warp owns
@@ -50,14 +50,16 @@
 // same inputs give the same bits, within 1e-5 of the CPU phases
 // (tests/gpu/smat_gpu_test.cc).
 //
-// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.84 ms
-// ungated and 6.27 ms gated, writing its outputs (kAssign; ungated 7.27 ms
-// with the side terms by rows, 8.51 ms adding to outputs read back), against
-// 21.7 ms for the three FFMA tiles. Per (chunk, b * H) the kernel issues 8832
-// MMAs (the splits make that about five times the FLOPs of an exact product):
-// about 200 TFLOP/s of mma.sync. The kernel is instruction-fetch sensitive: at
-// 174 KB of code (every loop unrolled) it took 13.9 ms, hence the loops kept
-// rolled below. 128 registers (8 bytes spilled), 113,152 bytes of shared memory.
+// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.70 ms
+// ungated and 6.01 ms gated (the off-diagonal gates from their factors,
+// mma_tiles::GateFactors; 6.11 ms with an exp per element), writing its
+// outputs (kAssign; ungated 7.27 ms with the side terms by rows, 8.51 ms
+// adding to outputs read back), against 21.7 ms for the three FFMA tiles. Per
+// (chunk, b * H) the kernel issues 8832 MMAs (the splits make that about five
+// times the FLOPs of an exact product): about 200 TFLOP/s of mma.sync. The
+// kernel is instruction-fetch sensitive: at 174 KB of code (every loop
+// unrolled) it took 13.9 ms, hence the loops kept rolled below. 128 registers,
+// 114,432 bytes of shared memory.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -81,11 +83,13 @@ constexpr int kW = 64;              // widest r or dv
 constexpr int kLd = 72;             // bf16 row pitch of every staged tile
 constexpr int kTile = kC * kLd;     // bf16 elements of one staged tile
 // Shared memory: phi, psi, v, gbar parts 1, 2, 3 (bf16 [kC][kLd] each), then
-// fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s, and [kW]
-// arrays S_in[:, dv], D_bar[:, dv].
+// fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s, [kW]
+// arrays S_in[:, dv], D_bar[:, dv], and the gates' factors rf, cf [kC] and
+// bb [8][8] (mma_tiles::GateFactors).
 constexpr int kPhi = 0, kPsi = 1, kV = 2, kG = 3;  // tile indices
 constexpr int kTiles = 6;
-constexpr int kSmemBytes = kTiles * kTile * 2 + (4 * kC + 2 * kW) * 4;
+constexpr int kBlocks = kC / 16;  // 16-token blocks of a chunk
+constexpr int kSmemBytes = kTiles * kTile * 2 + (6 * kC + 2 * kW + kBlocks * kBlocks) * 4;
 
 // The block's shared memory: bf16 tiles, then the fp32 per-token arrays.
 __device__ __forceinline__ __nv_bfloat16* SmemTiles() {
@@ -107,6 +111,9 @@ struct Block {
   __device__ const float* wk() const { return SmemTokens() + 3 * kC; }
   __device__ const float* scol() const { return SmemTokens() + 4 * kC; }
   __device__ const float* dcol() const { return SmemTokens() + 4 * kC + kW; }
+  __device__ const float* rf() const { return SmemTokens() + 4 * kC + 2 * kW; }
+  __device__ const float* cf() const { return SmemTokens() + 5 * kC + 2 * kW; }
+  __device__ const float* bb() const { return SmemTokens() + 6 * kC + 2 * kW; }
   int ce, nb, r, dv, p, kd, kr;
   bool pairs_r, pairs_v;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
   int lane, g, tq;
@@ -187,11 +194,12 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
                                           int64_t c0, int i, float* __restrict__ phi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r;
   float hi[8][4], lo[8][4];
-  float gc[2], lt[2];
+  float gc[2], lt[2], rt[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     gc[hr] = bk.gcol()[16 * i + g + 8 * hr];
     lt[hr] = bk.lam()[16 * i + g + 8 * hr];
+    rt[hr] = kGated ? bk.rf()[16 * i + g + 8 * hr] : 1.f;
   }
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
@@ -215,16 +223,29 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
       for (int nt = 0; nt < 2; ++nt) Mma3x1(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
     }
     // X[t, s] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce; the mask
-    // only where the tile holds pairs outside (diagonal or last block).
+    // only where the tile holds pairs outside (diagonal or last block). W
+    // off the diagonal from its factors (GateFactors).
+    float rq[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      rq[hr] = kGated && j < i ? rt[hr] * bk.bb()[i * kBlocks + j] : 0.f;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int s = 16 * j + 8 * nt + 2 * tq + (e & 1);
-        float x = (sc[nt][e] + scl[nt][e]) + gc[e >> 1];
-        if (kGated) x *= expf(lt[e >> 1] - bk.lam()[s]);
-        sc[nt][e] = x;
-      }
+      for (int e = 0; e < 4; ++e) sc[nt][e] = (sc[nt][e] + scl[nt][e]) + gc[e >> 1];
+    if (kGated && j == i) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[nt][e] *= expf(lt[e >> 1] - bk.lam()[16 * j + 8 * nt + 2 * tq + (e & 1)]);
+    } else if (kGated) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[nt][e] *= rq[e >> 1] * bk.cf()[16 * j + 8 * nt + 2 * tq + (e & 1)];
+    }
     MaskQueryTile(bk, i, j, g, tq, sc);
     uint32_t xa[3][4];
     SplitTile(sc, xa);
@@ -247,9 +268,12 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
                                            int64_t c0, int j, float* __restrict__ psi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r;
   float hi[8][4], lo[8][4];
-  float ls[2];
+  float ls[2], cs[2];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam()[16 * j + g + 8 * hr];
+  for (int hr = 0; hr < 2; ++hr) {
+    ls[hr] = bk.lam()[16 * j + g + 8 * hr];
+    cs[hr] = kGated ? bk.cf()[16 * j + g + 8 * hr] : 1.f;
+  }
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -278,15 +302,28 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
     }
     // X^T[s, t] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce (masked as
     // in QueryRows).
+    float rk[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      rk[hr] = kGated && j < i ? cs[hr] * bk.bb()[i * kBlocks + j] : 0.f;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = 16 * i + 8 * nt + 2 * tq + (e & 1);
-        float x = (sc[nt][e] + scl[nt][e]) + bk.gcol()[t];
-        if (kGated) x *= expf(bk.lam()[t] - ls[e >> 1]);
-        sc[nt][e] = x;
-      }
+      for (int e = 0; e < 4; ++e)
+        sc[nt][e] = (sc[nt][e] + scl[nt][e]) + bk.gcol()[16 * i + 8 * nt + 2 * tq + (e & 1)];
+    if (kGated && j == i) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[nt][e] *= expf(bk.lam()[16 * i + 8 * nt + 2 * tq + (e & 1)] - ls[e >> 1]);
+    } else if (kGated) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[nt][e] *= rk[e >> 1] * bk.rf()[16 * i + 8 * nt + 2 * tq + (e & 1)];
+    }
     if (j == i || 16 * i + 16 > bk.ce) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -319,9 +356,12 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
   const int g = bk.g, tq = bk.tq, dv = bk.dv;
   const int n0 = 32 * hf;
   float hi[4][4], lo[4][4];
-  float ls[2];
+  float ls[2], cs[2];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) ls[hr] = bk.lam()[16 * j + g + 8 * hr];
+  for (int hr = 0; hr < 2; ++hr) {
+    ls[hr] = bk.lam()[16 * j + g + 8 * hr];
+    cs[hr] = kGated ? bk.cf()[16 * j + g + 8 * hr] : 1.f;
+  }
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -342,14 +382,23 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       for (int nt = 0; nt < 2; ++nt) Mma(sc[nt], a, bp[2 * nt], bp[2 * nt + 1]);
     }
     // X^T[s, t] = W[t, s] A[t, s] for s <= t < ce (masked as in QueryRows).
-    {
+    if (kGated) {
+      float rk[2];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int hr = 0; hr < 2; ++hr) rk[hr] = j < i ? cs[hr] * bk.bb()[i * kBlocks + j] : 0.f;
+      if (j == i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = 16 * i + 8 * nt + 2 * tq + (e & 1);
-          if (kGated) sc[nt][e] *= expf(bk.lam()[t] - ls[e >> 1]);
-        }
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sc[nt][e] *= expf(bk.lam()[16 * i + 8 * nt + 2 * tq + (e & 1)] - ls[e >> 1]);
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sc[nt][e] *= rk[e >> 1] * bk.rf()[16 * i + 8 * nt + 2 * tq + (e & 1)];
+      }
     }
     if (j == i || 16 * i + 16 > bk.ce) {
 #pragma unroll
@@ -582,6 +631,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   if (vec_in) CpAsyncWaitAll();
   __syncthreads();
+  if (kGated) {
+    GateFactors<kC, kThreads>(ce, lam_s, wk + kC + 2 * kW);
+    __syncthreads();
+  }
 
   Block bk;
   bk.ce = ce;

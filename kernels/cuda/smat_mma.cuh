@@ -1,6 +1,7 @@
 // Pieces of the SMat tensor-core kernels (smat_chunk_bwd_mma.cu,
 // smat_chunk_fwd_mma.cu, smat_grouped_mma.cu, smat_state_grads.cu): their
-// launches' shared-memory attributes, shared-memory addresses,
+// launches' shared-memory attributes, shared-memory addresses, the gates'
+// factors of the causal tiles,
 // 16-byte cp.async, the staging of bf16 token rows, ldmatrix, the m16n8k16
 // bf16 mma with fp32 accumulation, and the split of fp32 values into three
 // bf16 parts x = x1 + x2 + x3 (24 significant bits: exact for normal fp32)
@@ -175,6 +176,36 @@ __device__ __forceinline__ void MaskQueryTile(const Blk& bk, int i, int j, int g
         const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
         if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
       }
+  }
+}
+
+// The gates' factors of a chunk's causal tiles (the fused B7 kernel),
+// 16-token blocks, lam the chunk's log decays in shared memory (kC of them,
+// ce held). Off the diagonal (query block i > key block j, so block j is
+// whole) W[t, s] = exp(lam_t - lam_s) is the product
+//   rf[t] bb[i][j] cf[s],  rf[t] = exp(lam_t - lam_{e(i - 1)}),
+//   bb[i][j] = exp(lam_{e(i - 1)} - lam_{e(j)}),  cf[s] = exp(lam_{e(j)} - lam_s),
+// e(j) = 16 j + 15 the last token of block j: each an exp of a later lam
+// minus an earlier one, as every gate is applied (no overflow for
+// non-positive log-gates), within a few roundings of the exp of the sum.
+// kC + (kC / 16)^2 exps per chunk against 8 per lane and tile when each tile
+// takes its own (the diagonal tiles still do). out: rf [kC], cf [kC], bb
+// [kC / 16][kC / 16]; kThreads >= kC + (kC / 16)^2 threads call it.
+// H200, bf16, T = 524288, d = 2, gated: B7 6.11 -> 6.01 ms. The forward tile
+// (smat_chunk_fwd_mma.cu), with a third of B7's gated tiles, showed no change
+// (NormalizedOutputs 2.095 -> 2.099 ms) and keeps its exps.
+template <int kC, int kThreads>
+__device__ __forceinline__ void GateFactors(int ce, const float* lam, float* out) {
+  constexpr int kBlocks = kC / 16;
+  static_assert(kThreads >= kC + kBlocks * kBlocks, "one thread per factor");
+  const int tid = threadIdx.x;
+  if (tid < kC) {
+    const int blk = tid >> 4, last = min(16 * blk + 15, ce - 1);
+    out[tid] = blk > 0 && tid < ce ? expf(lam[tid] - lam[16 * blk - 1]) : 1.f;
+    out[kC + tid] = tid < ce ? expf(lam[last] - lam[tid]) : 1.f;
+  } else if (tid < kC + kBlocks * kBlocks) {
+    const int e = tid - kC, bi = e / kBlocks, bj = e % kBlocks;
+    out[2 * kC + e] = bj < bi && 16 * bi < ce ? expf(lam[16 * bi - 1] - lam[16 * bj + 15]) : 0.f;
   }
 }
 
