@@ -48,8 +48,9 @@ cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& dims, const SmatTokenG
 // (smat_reads_bf16.cu): c <= 128, r, dv <= 64; kVecMat and kBoth with bf16
 // inputs, r % 8 == 0 and 16-byte aligned rows (kBoth: dv % 8 == 0 too),
 // kMatVec (gbar only) for either dtype. SmatUseReadsBf16: they fit and
-// SMAT_CUDA_GROUPED is not "ffma"; smat_grouped_fast.cu then runs them in
-// place of the FFMA and general tensor-core reads.
+// SMAT_CUDA_GROUPED is not "ffma" (kMatVec, slower than FFMA, only with
+// "mma"); smat_grouped_fast.cu then runs them in place of the FFMA and
+// general tensor-core reads.
 bool SmatReadsBf16Fits(const SmatCudaDims& dims, SmatReadKind kind, const void* a, const void* v);
 bool SmatUseReadsBf16(const SmatCudaDims& dims, SmatReadKind kind, const void* a, const void* v);
 cudaError_t LaunchSmatReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
