@@ -54,23 +54,6 @@ constexpr int SmemBytes(int a_parts, int b_parts) {
   return (a_parts + b_parts) * kPlane * 2 + kC * 8 + (a_parts == 3 ? kC * 4 : 0);
 }
 
-// dst[t][0 .. width) = src row rows[t] for t < nt, zeros for nt <= t < kC;
-// width % 8 == 0, rows 16-byte aligned.
-__device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__ src,
-                                               const int64_t* rows, int width, int nt,
-                                               __nv_bfloat16* dst) {
-  const int pieces = width >> 3;
-  for (int e = threadIdx.x; e < kC * pieces; e += kThreads) {
-    const int t = e / pieces, q = e - t * pieces;
-    __nv_bfloat16* to = dst + t * kLd + 8 * q;
-    if (t < nt) {
-      CpAsync16(SmemAddr(to), src + rows[t] * width + 8 * q);
-    } else {
-      *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-}
-
 // A thread's share of a tile's bf16 rows (width % 8 == 0, 16-byte aligned),
 // 16-byte piece e = threadIdx.x + u kThreads (row e / (width / 8)): loaded
 // into registers (zeros past the tile's tokens) before the weights they are
@@ -117,34 +100,17 @@ __device__ __forceinline__ void StoreWeightedPieces(const uint4 (&x)[kPiecesPerT
   }
 }
 
-// The three bf16 parts of fp32 rows (width p) into planes dst, dst + kPlane,
-// dst + 2 kPlane; zeros for nt <= t < kC.
+// Rows staged as in smat_outer_tile.cuh; fp32 rows (gbar) with their den
+// column in the planes, 8 loads in flight per thread (5 rounds for 128 x 65).
+__device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__ src,
+                                               const int64_t* rows, int width, int nt,
+                                               __nv_bfloat16* dst) {
+  outer_tile::StageRowsAsync<kThreads>(src, rows, width, nt, dst);
+}
 __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
                                                int p, int nt, __nv_bfloat16* dst) {
-  constexpr int kBatch = 8;  // loads in flight per thread: 5 rounds for 128 x 65
-  const int total = kC * p;
-  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
-    float x[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
-      x[u] = e < total && t < nt ? __ldg(&src[rows[t] * p + c]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
-      if (e < total) {
-        const __nv_bfloat16 x1 = __float2bfloat16_rn(x[u]);
-        const float r1 = x[u] - __bfloat162float(x1);  // exact
-        const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
-        const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
-        __nv_bfloat16* to = dst + t * kLd + c;
-        to[0] = x1;
-        to[kPlane] = x2;
-        to[2 * kPlane] = x3;
-      }
-    }
-  }
+  outer_tile::StageSplitRows<false, true, false, 8, kThreads>(src, rows, nullptr, p - 1, nt, dst,
+                                                              nullptr);
 }
 
 // GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kAParts,

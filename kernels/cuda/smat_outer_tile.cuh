@@ -1,5 +1,7 @@
 // The r x p outer-sum tile of 8 warps on tensor cores, over token rows staged
-// as bf16 planes [128][72] in shared memory: out = sum_t a_t b_t^T with a
+// as bf16 planes [128][72] in shared memory (and the staging of such planes:
+// StageRowsAsync, StageSplitRows, shared with the per-token reads of
+// smat_reads_bf16.cu): out = sum_t a_t b_t^T with a
 // (r <= 64 wide) in kAParts planes and b (p <= 72 wide) in kBParts, each
 // operand's planes summing to its value (one part: exact bf16; three: an fp32
 // value split by mma_tiles::Split3). The bf16 outer sums (smat_outer_bf16.cu)
@@ -123,6 +125,65 @@ struct Warp {
     }
   }
 };
+
+// dst[t][0 .. width) = bf16 row rows[t] of src (width % 8 == 0, 16-byte
+// aligned rows) for t < nt, zeros for nt <= t < kC, by kThreads threads
+// (cp.async: the caller waits); columns width.. are left alone.
+template <int kThreads>
+__device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__ src,
+                                               const int64_t* rows, int width, int nt,
+                                               __nv_bfloat16* dst) {
+  const int pieces = width >> 3;
+  for (int e = threadIdx.x; e < kC * pieces; e += kThreads) {
+    const int t = e / pieces, q = e - t * pieces;
+    __nv_bfloat16* to = dst + t * kLd + 8 * q;
+    if (t < nt) {
+      mma_tiles::CpAsync16(mma_tiles::SmemAddr(to), src + rows[t] * width + 8 * q);
+    } else {
+      *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// fp32 rows (gbar: width p = dv + 1) in three bf16 planes dst, dst + kPlane,
+// dst + 2 kPlane (x = x1 + x2 + x3); zeros for nt <= t < kC. kWeighted:
+// w[t] x instead (each product rounded to fp32). Column dv goes to the planes
+// (kDenInPlanes) and/or to gcol[t] (kGcol). kBatch loads in flight per thread,
+// kThreads threads.
+template <bool kWeighted, bool kDenInPlanes, bool kGcol, int kBatch, int kThreads>
+__device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
+                                               const float* w, int dv, int nt, __nv_bfloat16* dst,
+                                               float* gcol) {
+  const int p = dv + 1, total = kC * p;
+  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
+    float x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
+      x[u] = e < total && t < nt ? __ldg(&src[rows[t] * p + c]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
+      if (e >= total) continue;
+      const float y = kWeighted && t < nt ? w[t] * x[u] : x[u];
+      if (!kDenInPlanes || kGcol) {
+        if (c == dv) {
+          if (kGcol) gcol[t] = y;
+          if (!kDenInPlanes) continue;
+        }
+      }
+      const __nv_bfloat16 x1 = __float2bfloat16_rn(y);
+      const float r1 = y - __bfloat162float(x1);  // exact
+      const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
+      const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
+      __nv_bfloat16* to = dst + t * kLd + c;
+      to[0] = x1;
+      to[kPlane] = x2;
+      to[2 * kPlane] = x3;
+    }
+  }
+}
 
 }  // namespace outer_tile
 }  // namespace smat

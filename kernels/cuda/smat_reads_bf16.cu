@@ -74,8 +74,9 @@ using mma_tiles::SmemAddr;
 constexpr int kThreads = 256;
 constexpr int kC = 128;               // tokens staged at a time
 constexpr int kW = 64;                // widest r or dv
-constexpr int kLdT = 72;              // bf16 pitch of a token plane (144 bytes)
-constexpr int kTokPlane = kC * kLdT;  // bf16 elements of a token plane
+constexpr int kLdT = outer_tile::kLd;          // bf16 pitch of a token plane (144 bytes)
+constexpr int kTokPlane = outer_tile::kPlane;  // bf16 elements of a token plane
+static_assert(kC == outer_tile::kC, "token planes are staged as the outer sums stage them");
 constexpr int kLdM = 88;              // bf16 pitch of an M plane (176 bytes; p <= 80)
 constexpr int kMPlane = kW * kLdM;    // bf16 elements of an M plane
 
@@ -135,22 +136,11 @@ __device__ __forceinline__ void StageMatrix(const float* __restrict__ M, int r, 
   }
 }
 
-// dst[t][0 .. width) = bf16 row rows[t] of src (width % 8 == 0, 16-byte
-// aligned rows) for t < nt, zeros for nt <= t < kC; columns width.. are left
-// alone (zeroed once per block).
+// Token rows staged as in smat_outer_tile.cuh.
 __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__ src,
                                                const int64_t* rows, int width, int nt,
                                                __nv_bfloat16* dst) {
-  const int pieces = width >> 3;
-  for (int e = threadIdx.x; e < kC * pieces; e += kThreads) {
-    const int t = e / pieces, q = e - t * pieces;
-    __nv_bfloat16* to = dst + t * kLdT + 8 * q;
-    if (t < nt) {
-      CpAsync16(SmemAddr(to), src + rows[t] * width + 8 * q);
-    } else {
-      *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
+  outer_tile::StageRowsAsync<kThreads>(src, rows, width, nt, dst);
 }
 
 // gbar rows (fp32, width p = dv + 1): columns < dv in three bf16 planes,
@@ -161,33 +151,23 @@ template <bool kWeighted, int kBatch>
 __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
                                                const float* w, int dv, int nt, __nv_bfloat16* dst,
                                                float* gcol) {
-  const int p = dv + 1, total = kC * p;
-  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
-    float x[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
-      x[u] = e < total && t < nt ? __ldg(&src[rows[t] * p + c]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
-      if (e >= total) continue;
-      const float y = kWeighted && t < nt ? w[t] * x[u] : x[u];
-      if (c == dv) {
-        gcol[t] = y;
-        if (!kWeighted) continue;
-      }
-      const __nv_bfloat16 x1 = __float2bfloat16_rn(y);
-      const float r1 = y - __bfloat162float(x1);  // exact
-      const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
-      const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
-      __nv_bfloat16* to = dst + t * kLdT + c;
-      to[0] = x1;
-      to[kTokPlane] = x2;
-      to[2 * kTokPlane] = x3;
-    }
+  outer_tile::StageSplitRows<kWeighted, kWeighted, true, kBatch, kThreads>(src, rows, w, dv, nt,
+                                                                           dst, gcol);
+}
+
+// The token rows and weights of the tile at list position j0 (nt tokens),
+// between the block barriers around them.
+__device__ __forceinline__ void StageTokens(const cuda_detail::GroupBlock& blk,
+                                            const SmatCudaDims& d, const SmatTokenWeights& tw,
+                                            int64_t j0, int nt, int64_t* rows, float* w) {
+  const int tid = threadIdx.x;
+  __syncthreads();  // the previous tile is consumed; the padding is written
+  if (tid < nt) {
+    const int64_t i = blk.cur.Token(j0 + tid);
+    rows[tid] = TokenRow(d, blk.b, i, blk.h);
+    w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
   }
+  __syncthreads();
 }
 
 // hi/lo[j] (j < kN) = the warp's 16 tokens (kAParts planes from a_addr, this
@@ -347,13 +327,7 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
 
   for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
     const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
-    __syncthreads();  // the previous tile is consumed; the padding is written
-    if (tid < nt) {
-      const int64_t i = blk.cur.Token(j0 + tid);
-      rows[tid] = TokenRow(d, blk.b, i, blk.h);
-      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
-    }
-    __syncthreads();
+    StageTokens(blk, d, tw, j0, nt, rows, w);
     if constexpr (kRead == SmatReadKind::kVecMat) {
       StageRowsAsync(a, rows, r, nt, Ts);
     } else if constexpr (kRead == SmatReadKind::kBoth) {
@@ -452,13 +426,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
     const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
-    __syncthreads();  // the previous tile is consumed; the padding is written
-    if (tid < nt) {
-      const int64_t i = blk.cur.Token(j0 + tid);
-      rows[tid] = TokenRow(d, blk.b, i, blk.h);
-      w[tid] = cuda_detail::TokenWeight(d, tw, blk.b, blk.h, i);
-    }
-    __syncthreads();
+    StageTokens(blk, d, tw, j0, nt, rows, w);
     StageRowsAsync(phi, rows, r, nt, Ph);
     // U_bar's accumulators stay live: fewer loads in flight.
     StageSplitRows<true, kFusedSplitLoads>(gbar, rows, w, dv, nt, Gs, gcol);
