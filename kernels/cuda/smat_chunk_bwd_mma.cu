@@ -262,6 +262,27 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r, hi, lo, phi_bar);
 }
 
+// A key-row tile X^T[s, t] (rows s of block j: ls = lam_s; columns t of
+// block i >= j) times W[t, s]: the diagonal tile by an exp per element, the
+// others from mma_tiles::GateFactors' factors (rk = cf[s] bb[i][j]).
+__device__ __forceinline__ void GateKeyTile(const Block& bk, int i, int j, int tq,
+                                            const float (&ls)[2], const float (&rk)[2],
+                                            float (&sc)[2][4]) {
+  if (j == i) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sc[nt][e] *= expf(bk.lam()[16 * i + 8 * nt + 2 * tq + (e & 1)] - ls[e >> 1]);
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sc[nt][e] *= rk[e >> 1] * bk.rf()[16 * i + 8 * nt + 2 * tq + (e & 1)];
+  }
+}
+
 // psi_bar rows s of block j += the causal sum (kAssign: =).
 template <bool kGated, bool kAssign>
 __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& d, int b, int h,
@@ -311,28 +332,8 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         sc[nt][e] = (sc[nt][e] + scl[nt][e]) + bk.gcol()[16 * i + 8 * nt + 2 * tq + (e & 1)];
-    if (kGated && j == i) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sc[nt][e] *= expf(bk.lam()[16 * i + 8 * nt + 2 * tq + (e & 1)] - ls[e >> 1]);
-    } else if (kGated) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sc[nt][e] *= rk[e >> 1] * bk.rf()[16 * i + 8 * nt + 2 * tq + (e & 1)];
-    }
-    if (j == i || 16 * i + 16 > bk.ce) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
-          if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
-        }
-    }
+    if (kGated) GateKeyTile(bk, i, j, tq, ls, rk, sc);
+    MaskTile</*kKeyRows=*/true>(bk, i, j, g, tq, sc);
     uint32_t xa[3][4];
     SplitTile(sc, xa);
 #pragma unroll
@@ -386,29 +387,9 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       float rk[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) rk[hr] = j < i ? cs[hr] * bk.bb()[i * kBlocks + j] : 0.f;
-      if (j == i) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            sc[nt][e] *= expf(bk.lam()[16 * i + 8 * nt + 2 * tq + (e & 1)] - ls[e >> 1]);
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            sc[nt][e] *= rk[e >> 1] * bk.rf()[16 * i + 8 * nt + 2 * tq + (e & 1)];
-      }
+      GateKeyTile(bk, i, j, tq, ls, rk, sc);
     }
-    if (j == i || 16 * i + 16 > bk.ce) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int s = 16 * j + g + 8 * (e >> 1), t = 16 * i + 8 * nt + 2 * tq + (e & 1);
-          if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
-        }
-    }
+    MaskTile</*kKeyRows=*/true>(bk, i, j, g, tq, sc);
     uint32_t xa[3][4];
     SplitTile(sc, xa);
 #pragma unroll

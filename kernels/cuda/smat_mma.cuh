@@ -158,25 +158,31 @@ __device__ __forceinline__ void SplitB(const float (&x)[4], uint32_t (&b)[3][2])
   Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
 }
 
-// The causal mask of a 16 x 16 score tile held as two m16n8 accumulators,
-// rows the tokens t of query block i, columns the tokens s of key block j
+// The causal mask of a 16 x 16 score tile held as two m16n8 accumulators
 // (lane g = lane / 4, tq = lane % 4; bk.ce the chunk's tokens): keeps the
 // pairs s <= t < ce, zeroes the rest. Only the diagonal block and the chunk's
-// last partial block hold pairs outside. (B7's key-row tiles hold the
-// transpose and mask it in place, the same loop with t and s swapped: through
-// a helper like this one their machine code changes, which is not measured.)
-template <class Blk>
-__device__ __forceinline__ void MaskQueryTile(const Blk& bk, int i, int j, int g, int tq,
-                                              float (&sc)[2][4]) {
+// last partial block hold pairs outside. Query tiles (kKeyRows false): rows the
+// tokens t of query block i, columns the tokens s of key block j; key tiles
+// (B7's key rows): the transpose, rows s of block j, columns t of block i.
+template <bool kKeyRows, class Blk>
+__device__ __forceinline__ void MaskTile(const Blk& bk, int i, int j, int g, int tq,
+                                         float (&sc)[2][4]) {
   if (j == i || 16 * i + 16 > bk.ce) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int t = 16 * i + g + 8 * (e >> 1), s = 16 * j + 8 * nt + 2 * tq + (e & 1);
+        const int row = 16 * (kKeyRows ? j : i) + g + 8 * (e >> 1);
+        const int col = 16 * (kKeyRows ? i : j) + 8 * nt + 2 * tq + (e & 1);
+        const int t = kKeyRows ? col : row, s = kKeyRows ? row : col;
         if (!(s <= t && t < bk.ce)) sc[nt][e] = 0.f;
       }
   }
+}
+template <class Blk>
+__device__ __forceinline__ void MaskQueryTile(const Blk& bk, int i, int j, int g, int tq,
+                                              float (&sc)[2][4]) {
+  MaskTile<false>(bk, i, j, g, tq, sc);
 }
 
 // The gates' factors of a chunk's causal tiles (the fused B7 kernel),
