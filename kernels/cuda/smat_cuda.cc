@@ -1,89 +1,45 @@
 // CudaSmatKernels: the SmatKernels contract (kernels/smat_kernels.h) on one
 // GPU. This file validates tensors (with SmatCudaArgs, smat_cuda_args.h), works
 // out the span's geometry (distant / recent parts, token groups, segment
-// counts), keeps the incidence lists of Algorithm 2 on the device, and launches
-// the kernels of smat_scan.cu, smat_grouped.cu and smat_chunk.cu. Scratch memory
-// is stream-ordered (cudaMallocAsync / cudaFreeAsync on the call's stream), so
-// calls on different streams never share a buffer.
+// counts, with smat_cuda_groups.h), keeps the incidence lists of Algorithm 2 on
+// the device (IncidenceCache), and launches the kernels of smat_scan.cu,
+// smat_grouped.cu and smat_chunk.cu. Scratch memory is stream-ordered
+// (cudaMallocAsync / cudaFreeAsync on the call's stream), so calls on different
+// streams never share a buffer.
 #include "kernels/cuda/smat_cuda.h"
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/smat_cuda_args.h"
+#include "kernels/cuda/smat_cuda_groups.h"
 #include "kernels/cuda/smat_cuda_kernels.h"
 
 namespace smat {
 namespace {
 
-// A group's token list is cut into segments of about this many tokens, so
-// that a profile or type holding many tokens (d = 1: every distant token) is
-// reduced by many blocks; the partial sums are then added in segment order.
-constexpr int64_t kTokensPerSegment = 256;
-// The per-token reads have nothing to add up across segments. Those with an
-// r-wide output (kMatVec, kBoth) take longer ones, so that a block stages its
-// group's matrix for more tokens; TypeReads (p-wide rows) keeps the short
-// ones. H200, bf16, T = 524288, d = 2, 8 heads, 1024 against 256 tokens:
-// TypeReadsBackward 1.62 -> 1.58 ms, TypeReads (=) 0.69 -> 0.78 ms.
-constexpr int64_t kTokensPerReadSegment = 1024;
-constexpr int64_t kMaxSegments = 4096;
-constexpr int64_t kMaxGridY = 65535;
-
-// Stream-ordered scratch memory, freed on the stream when it goes out of scope.
-class Scratch {
- public:
-  explicit Scratch(cudaStream_t s) : stream_(s) {}
-  ~Scratch() {
-    for (void* p : ptrs_) cudaFreeAsync(p, stream_);
-  }
-  template <typename T>
-  absl::StatusOr<T*> Get(int64_t count) {
-    void* p = nullptr;
-    SMAT_CUDA_RETURN_IF_ERROR(
-        cudaMallocAsync(&p, std::max<int64_t>(1, count) * sizeof(T), stream_));
-    ptrs_.push_back(p);
-    return static_cast<T*>(p);
-  }
-
- private:
-  cudaStream_t stream_;
-  std::vector<void*> ptrs_;
-};
-
-// Incidence lists of one geometry in CSR form (Algorithm 2 and its adjoint).
-struct IncidenceLists {
-  int32_t* type_offsets = nullptr;   // [B + 1]
-  int32_t* type_points = nullptr;    // points of each type, increasing
-  int32_t* point_offsets = nullptr;  // [P + 1]
-  int32_t* point_types = nullptr;    // types through each point, by direction
-  int64_t entries = 0;               // incidences: the length of either item list
-};
-
 const float* F32(const Tensor& t) { return t.defined() ? static_cast<const float*>(t.raw()) : nullptr; }
 float* F32(Tensor* t) { return t != nullptr ? static_cast<float*>(t->raw()) : nullptr; }
+
+using cuda_groups::CheckGroups;
+using cuda_groups::ChunkOffsets;
+using cuda_groups::GroupTokens;
+using cuda_groups::IncidenceCache;
+using cuda_groups::IncidenceLists;
+using cuda_groups::ReadSegmentsFor;
+using cuda_groups::RecentGroups;
+using cuda_groups::Scratch;
+using cuda_groups::SegmentsFor;
 
 class CudaSmatKernels final : public SmatKernels {
  public:
   CudaSmatKernels(int device, CudaStreamResolver stream_of)
       : device_(device), args_(device), stream_of_(std::move(stream_of)) {}
-
-  ~CudaSmatKernels() override {
-    for (auto& [key, lists] : incidence_) {
-      cudaFree(lists.type_offsets);
-      cudaFree(lists.type_points);
-      cudaFree(lists.point_offsets);
-      cudaFree(lists.point_types);
-    }
-  }
 
   // ---------------------------------------------------------------- forward
   absl::Status ChunkLogDecay(const SmatPlan& plan, const SmatSpan& span, const Tensor& logg,
@@ -145,10 +101,10 @@ class CudaSmatKernels final : public SmatKernels {
     Scratch scratch(s);
     const int64_t end = span.distant_end(plan) - span.t0;  // local distant part [0, end)
     SMAT_ASSIGN_OR_RETURN(SmatTokenGroups groups,
-                          Groups(d, prof, 0, end, P, span.t0 % P, &scratch, s));
+                          GroupTokens(d, prof, 0, end, P, span.t0 % P, &scratch, s));
     SmatTokenWeights w{F32(lam), F32(chunk_decay), nullptr, nullptr, /*key_side=*/true};
     if (lam.defined()) {
-      SMAT_ASSIGN_OR_RETURN(w.off, Offsets(d, chunk_decay, &scratch, s));
+      SMAT_ASSIGN_OR_RETURN(w.off, ChunkOffsets(d, F32(chunk_decay), &scratch, s));
     }
     const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * P, 1, P};
     return GroupedSum(d, groups, end, psi.raw(), v.raw(), true, w, lay, F32(F), &scratch, s,
@@ -166,7 +122,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckF32(F, F.shape(), "F"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(U, {F.dim(0), F.dim(1), g.B, F.dim(3), F.dim(4)}, "U"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.B, "types (B)"));
-    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
+    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, incidence_.Get(g));
     return CudaStatus(LaunchSmatTabulate(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.P, g.B,
                                          lists->type_offsets, lists->type_points, lists->entries,
                                          F32(F), F32(U), s),
@@ -417,7 +373,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOut(
         F_bar, {U_bar.dim(0), U_bar.dim(1), g.P, U_bar.dim(3), U_bar.dim(4)}, "F_bar"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.P, "profiles (P)"));
-    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, Incidence(g));
+    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, incidence_.Get(g));
     return CudaStatus(LaunchSmatTabulate(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4),
                                          g.B, g.P, lists->point_offsets, lists->point_types,
                                          lists->entries, F32(U_bar), F32(F_bar), s),
@@ -444,10 +400,10 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
     Scratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(SmatTokenGroups groups,
-                          Groups(d, prof, 0, end, P, span.t0 % P, &scratch, s));
+                          GroupTokens(d, prof, 0, end, P, span.t0 % P, &scratch, s));
     SmatTokenWeights w{F32(lam), F32(chunk_decay), nullptr, F32(distant_tail_decay), true};
     if (lam.defined()) {
-      SMAT_ASSIGN_OR_RETURN(w.off, Offsets(d, chunk_decay, &scratch, s));
+      SMAT_ASSIGN_OR_RETURN(w.off, ChunkOffsets(d, F32(chunk_decay), &scratch, s));
     }
     const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * P, 1, P};
     return CudaStatus(
@@ -550,15 +506,6 @@ class CudaSmatKernels final : public SmatKernels {
     return stream_of_(stream);
   }
 
-  static absl::Status CheckGroups(int64_t groups, const char* what) {
-    if (groups > kMaxGridY) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "smat cuda: ", groups, " ", what, " exceed the ", kMaxGridY,
-          " groups one launch handles; use a larger chunk or a smaller d / q"));
-    }
-    return absl::OkStatus();
-  }
-
   absl::StatusOr<int> ChunkTile(const SmatCudaDims& d, bool keys) const {
     int limit = 0;
     SMAT_CUDA_RETURN_IF_ERROR(
@@ -571,73 +518,6 @@ class CudaSmatKernels final : public SmatKernels {
           " bytes; use a smaller chunk (e.g. 64)"));
     }
     return tile;
-  }
-
-  // Segments per group for a part of `len` tokens split into `groups` groups.
-  static int SegmentsFor(int64_t len, int64_t groups, int64_t tokens = kTokensPerSegment) {
-    const int64_t per_group = (len + std::max<int64_t>(groups, 1) - 1) / std::max<int64_t>(groups, 1);
-    return static_cast<int>(
-        std::clamp<int64_t>((per_group + tokens - 1) / tokens, 1, kMaxSegments));
-  }
-  static int SegmentsFor(const SmatTokenGroups& g) {
-    return SegmentsFor(g.end - g.begin, g.num_groups);
-  }
-  static int ReadSegmentsFor(const SmatTokenGroups& g, SmatReadKind kind) {
-    return SegmentsFor(g.end - g.begin, g.num_groups,
-                       kind == SmatReadKind::kVecMat ? kTokensPerSegment : kTokensPerReadSegment);
-  }
-
-  // Groups of the local tokens [begin, end): content lists when `map` is
-  // defined, else the positional progression with period G and `phase`.
-  absl::StatusOr<SmatTokenGroups> Groups(const SmatCudaDims& d, const Tensor& map, int64_t begin,
-                                         int64_t end, int64_t G, int64_t phase, Scratch* scratch,
-                                         cudaStream_t s) {
-    SmatTokenGroups g;
-    g.num_groups = static_cast<int>(G);
-    g.begin = begin;
-    g.end = std::max(begin, end);
-    if (!map.defined()) {
-      g.mode = SmatGroupMode::kProgression;
-      g.period = G;
-      g.phase = ((phase % G) + G) % G;
-      return g;
-    }
-    g.mode = SmatGroupMode::kLists;
-    const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
-    SMAT_ASSIGN_OR_RETURN(int32_t* counts, scratch->Get<int32_t>(bh * G));
-    SMAT_ASSIGN_OR_RETURN(int32_t* offsets, scratch->Get<int32_t>(bh * (G + 1)));
-    SMAT_ASSIGN_OR_RETURN(int32_t* perm, scratch->Get<int32_t>(bh * (g.end - g.begin)));
-    SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatGroupByContent(d, static_cast<const int32_t*>(map.raw()),
-                                                       g.begin, g.end, g.num_groups, counts,
-                                                       offsets, perm, s));
-    g.offsets = offsets;
-    g.perm = perm;
-    return g;
-  }
-
-  // Recent part of the span grouped by type, with the read gates
-  // exp(recent_offset + (sum of logg over [recent_begin, t])).
-  absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const SmatCudaDims& d,
-                            const Tensor& lam, const Tensor& chunk_decay,
-                            const Tensor& recent_offset, const Tensor& type, Scratch* scratch,
-                            cudaStream_t s, SmatTokenGroups* groups, SmatTokenWeights* w) {
-    const int64_t B = plan.geo.B;
-    SMAT_RETURN_IF_ERROR(CheckGroups(B, "types (B)"));
-    const int64_t begin = span.recent_begin(plan) - span.t0;
-    const int64_t end = span.t1 - span.t0;
-    SMAT_ASSIGN_OR_RETURN(*groups, Groups(d, type, begin, end, B, span.t0 - plan.n, scratch, s));
-    *w = SmatTokenWeights{F32(lam), F32(chunk_decay), nullptr, F32(recent_offset), false};
-    if (lam.defined()) {
-      SMAT_ASSIGN_OR_RETURN(w->off, Offsets(d, chunk_decay, scratch, s));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<const float*> Offsets(const SmatCudaDims& d, const Tensor& chunk_decay,
-                                       Scratch* scratch, cudaStream_t s) {
-    SMAT_ASSIGN_OR_RETURN(float* off, scratch->Get<float>(static_cast<int64_t>(d.batch) * d.Lc * d.H));
-    SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatChunkOffsets(d, F32(chunk_decay), off, s));
-    return off;
   }
 
   // Segmented grouped reduction into `out` (layout `lay`); every group's
@@ -660,58 +540,10 @@ class CudaSmatKernels final : public SmatKernels {
                       what);
   }
 
-  // The incidence lists of geometry g on the device, built once per (d, q).
-  absl::StatusOr<const IncidenceLists*> Incidence(const SmatGeometry& g) {
-    std::lock_guard<std::mutex> lock(mu_);
-    const std::pair<int, int64_t> key(g.d, g.q);
-    auto it = incidence_.find(key);
-    if (it != incidence_.end()) return &it->second;
-    std::vector<std::vector<int32_t>> points(g.B), types(g.P);
-    if (g.d == 1) {
-      points[0].push_back(0);
-      types[0].push_back(0);
-    } else {
-      for (int64_t e = 0; e < g.num_directions; ++e) {
-        for (int64_t x = 0; x < g.P; ++x) {
-          int64_t dot = 0;
-          for (int k = 0; k < g.D; ++k) dot += g.directions[e * g.D + k] * g.Coordinate(x, k);
-          const int32_t h = g.flat_to_type[e * g.q + dot % g.q];
-          points[h].push_back(static_cast<int32_t>(x));
-          types[x].push_back(h);
-        }
-      }
-    }
-    auto flatten = [](const std::vector<std::vector<int32_t>>& lists, std::vector<int32_t>* off,
-                      std::vector<int32_t>* items) {
-      off->assign(1, 0);
-      for (const auto& l : lists) {
-        items->insert(items->end(), l.begin(), l.end());
-        off->push_back(static_cast<int32_t>(items->size()));
-      }
-    };
-    std::vector<int32_t> to, ti, po, pi;
-    flatten(points, &to, &ti);
-    flatten(types, &po, &pi);
-    IncidenceLists lists;
-    lists.entries = static_cast<int64_t>(ti.size());
-    auto upload = [](const std::vector<int32_t>& host, int32_t** dev) -> absl::Status {
-      SMAT_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(dev), std::max<size_t>(1, host.size()) * sizeof(int32_t)));
-      SMAT_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(*dev, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-      return absl::OkStatus();
-    };
-    SMAT_RETURN_IF_ERROR(upload(to, &lists.type_offsets));
-    SMAT_RETURN_IF_ERROR(upload(ti, &lists.type_points));
-    SMAT_RETURN_IF_ERROR(upload(po, &lists.point_offsets));
-    SMAT_RETURN_IF_ERROR(upload(pi, &lists.point_types));
-    return &incidence_.emplace(key, lists).first->second;
-  }
-
   const int device_;
   const SmatCudaArgs args_;
   CudaStreamResolver stream_of_;
-  std::mutex mu_;  // guards incidence_
-  std::map<std::pair<int, int64_t>, IncidenceLists> incidence_;
+  IncidenceCache incidence_;
 };
 
 }  // namespace

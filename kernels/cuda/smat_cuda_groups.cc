@@ -1,0 +1,146 @@
+// The span geometry of the CUDA SMat phases (smat_cuda_groups.h).
+#include "kernels/cuda/smat_cuda_groups.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace smat {
+namespace cuda_groups {
+namespace {
+
+// t's fp32 data, or null when t is undefined (as in smat_cuda.cc).
+const float* F32(const Tensor& t) {
+  return t.defined() ? static_cast<const float*>(t.raw()) : nullptr;
+}
+
+}  // namespace
+
+IncidenceCache::~IncidenceCache() {
+  for (auto& [key, lists] : lists_) {
+    cudaFree(lists.type_offsets);
+    cudaFree(lists.type_points);
+    cudaFree(lists.point_offsets);
+    cudaFree(lists.point_types);
+  }
+}
+
+absl::StatusOr<const IncidenceLists*> IncidenceCache::Get(const SmatGeometry& g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::pair<int, int64_t> key(g.d, g.q);
+  auto it = lists_.find(key);
+  if (it != lists_.end()) return &it->second;
+  std::vector<std::vector<int32_t>> points(g.B), types(g.P);
+  if (g.d == 1) {
+    points[0].push_back(0);
+    types[0].push_back(0);
+  } else {
+    for (int64_t e = 0; e < g.num_directions; ++e) {
+      for (int64_t x = 0; x < g.P; ++x) {
+        int64_t dot = 0;
+        for (int k = 0; k < g.D; ++k) dot += g.directions[e * g.D + k] * g.Coordinate(x, k);
+        const int32_t h = g.flat_to_type[e * g.q + dot % g.q];
+        points[h].push_back(static_cast<int32_t>(x));
+        types[x].push_back(h);
+      }
+    }
+  }
+  auto flatten = [](const std::vector<std::vector<int32_t>>& lists, std::vector<int32_t>* off,
+                    std::vector<int32_t>* items) {
+    off->assign(1, 0);
+    for (const auto& l : lists) {
+      items->insert(items->end(), l.begin(), l.end());
+      off->push_back(static_cast<int32_t>(items->size()));
+    }
+  };
+  std::vector<int32_t> to, ti, po, pi;
+  flatten(points, &to, &ti);
+  flatten(types, &po, &pi);
+  IncidenceLists lists;
+  lists.entries = static_cast<int64_t>(ti.size());
+  auto upload = [](const std::vector<int32_t>& host, int32_t** dev) -> absl::Status {
+    SMAT_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(dev),
+                                         std::max<size_t>(1, host.size()) * sizeof(int32_t)));
+    SMAT_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(*dev, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  };
+  SMAT_RETURN_IF_ERROR(upload(to, &lists.type_offsets));
+  SMAT_RETURN_IF_ERROR(upload(ti, &lists.type_points));
+  SMAT_RETURN_IF_ERROR(upload(po, &lists.point_offsets));
+  SMAT_RETURN_IF_ERROR(upload(pi, &lists.point_types));
+  return &lists_.emplace(key, lists).first->second;
+}
+
+absl::Status CheckGroups(int64_t groups, const char* what) {
+  if (groups > kMaxGridY) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("smat cuda: ", groups, " ", what, " exceed the ", kMaxGridY,
+                     " groups one launch handles; use a larger chunk or a smaller d / q"));
+  }
+  return absl::OkStatus();
+}
+
+int SegmentsFor(int64_t len, int64_t groups, int64_t tokens) {
+  const int64_t per_group = (len + std::max<int64_t>(groups, 1) - 1) / std::max<int64_t>(groups, 1);
+  return static_cast<int>(std::clamp<int64_t>((per_group + tokens - 1) / tokens, 1, kMaxSegments));
+}
+
+int SegmentsFor(const SmatTokenGroups& g) { return SegmentsFor(g.end - g.begin, g.num_groups); }
+
+int ReadSegmentsFor(const SmatTokenGroups& g, SmatReadKind kind) {
+  return SegmentsFor(g.end - g.begin, g.num_groups,
+                     kind == SmatReadKind::kVecMat ? kTokensPerSegment : kTokensPerReadSegment);
+}
+
+absl::StatusOr<SmatTokenGroups> GroupTokens(const SmatCudaDims& d, const Tensor& map, int64_t begin,
+                                            int64_t end, int64_t G, int64_t phase, Scratch* scratch,
+                                            cudaStream_t s) {
+  SmatTokenGroups g;
+  g.num_groups = static_cast<int>(G);
+  g.begin = begin;
+  g.end = std::max(begin, end);
+  if (!map.defined()) {
+    g.mode = SmatGroupMode::kProgression;
+    g.period = G;
+    g.phase = ((phase % G) + G) % G;
+    return g;
+  }
+  g.mode = SmatGroupMode::kLists;
+  const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
+  SMAT_ASSIGN_OR_RETURN(int32_t* counts, scratch->Get<int32_t>(bh * G));
+  SMAT_ASSIGN_OR_RETURN(int32_t* offsets, scratch->Get<int32_t>(bh * (G + 1)));
+  SMAT_ASSIGN_OR_RETURN(int32_t* perm, scratch->Get<int32_t>(bh * (g.end - g.begin)));
+  SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatGroupByContent(d, static_cast<const int32_t*>(map.raw()),
+                                                     g.begin, g.end, g.num_groups, counts, offsets,
+                                                     perm, s));
+  g.offsets = offsets;
+  g.perm = perm;
+  return g;
+}
+
+absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const SmatCudaDims& d,
+                          const Tensor& lam, const Tensor& chunk_decay, const Tensor& recent_offset,
+                          const Tensor& type, Scratch* scratch, cudaStream_t s,
+                          SmatTokenGroups* groups, SmatTokenWeights* w) {
+  const int64_t B = plan.geo.B;
+  SMAT_RETURN_IF_ERROR(CheckGroups(B, "types (B)"));
+  const int64_t begin = span.recent_begin(plan) - span.t0;
+  const int64_t end = span.t1 - span.t0;
+  SMAT_ASSIGN_OR_RETURN(*groups, GroupTokens(d, type, begin, end, B, span.t0 - plan.n, scratch, s));
+  *w = SmatTokenWeights{F32(lam), F32(chunk_decay), nullptr, F32(recent_offset), false};
+  if (lam.defined()) {
+    SMAT_ASSIGN_OR_RETURN(w->off, ChunkOffsets(d, F32(chunk_decay), scratch, s));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const float*> ChunkOffsets(const SmatCudaDims& d, const float* chunk_decay,
+                                          Scratch* scratch, cudaStream_t s) {
+  SMAT_ASSIGN_OR_RETURN(float* off,
+                        scratch->Get<float>(static_cast<int64_t>(d.batch) * d.Lc * d.H));
+  SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatChunkOffsets(d, chunk_decay, off, s));
+  return off;
+}
+
+}  // namespace cuda_groups
+}  // namespace smat

@@ -1,0 +1,119 @@
+// Span geometry of the CUDA SMat phases (smat_cuda.cc): stream-ordered scratch
+// memory, how many segments a group's tokens are cut into, the token groups of
+// a part of the span (content lists or a positional progression), the chunk
+// offsets of the gates, and the incidence lists of Algorithm 2 on the device,
+// built once per geometry and kept (IncidenceCache).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/geometry.h"
+#include "core/tensor.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/smat_cuda_kernels.h"
+#include "kernels/smat_kernels.h"
+
+namespace smat {
+namespace cuda_groups {
+
+// A group's token list is cut into segments of about this many tokens, so
+// that a profile or type holding many tokens (d = 1: every distant token) is
+// reduced by many blocks; the partial sums are then added in segment order.
+constexpr int64_t kTokensPerSegment = 256;
+// The per-token reads have nothing to add up across segments. Those with an
+// r-wide output (kMatVec, kBoth) take longer ones, so that a block stages its
+// group's matrix for more tokens; TypeReads (p-wide rows) keeps the short
+// ones. H200, bf16, T = 524288, d = 2, 8 heads, 1024 against 256 tokens:
+// TypeReadsBackward 1.62 -> 1.58 ms, TypeReads (=) 0.69 -> 0.78 ms.
+constexpr int64_t kTokensPerReadSegment = 1024;
+constexpr int64_t kMaxSegments = 4096;
+constexpr int64_t kMaxGridY = 65535;
+
+// Stream-ordered scratch memory, freed on the stream when it goes out of scope.
+class Scratch {
+ public:
+  explicit Scratch(cudaStream_t s) : stream_(s) {}
+  ~Scratch() {
+    for (void* p : ptrs_) cudaFreeAsync(p, stream_);
+  }
+  template <typename T>
+  absl::StatusOr<T*> Get(int64_t count) {
+    void* p = nullptr;
+    SMAT_CUDA_RETURN_IF_ERROR(
+        cudaMallocAsync(&p, std::max<int64_t>(1, count) * sizeof(T), stream_));
+    ptrs_.push_back(p);
+    return static_cast<T*>(p);
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<void*> ptrs_;
+};
+
+// Incidence lists of one geometry in CSR form (Algorithm 2 and its adjoint).
+struct IncidenceLists {
+  int32_t* type_offsets = nullptr;   // [B + 1]
+  int32_t* type_points = nullptr;    // points of each type, increasing
+  int32_t* point_offsets = nullptr;  // [P + 1]
+  int32_t* point_types = nullptr;    // types through each point, by direction
+  int64_t entries = 0;               // incidences: the length of either item list
+};
+
+// The incidence lists of every geometry asked for, on the device (cudaMalloc,
+// synchronous upload), kept until the cache is destroyed. Thread-safe.
+class IncidenceCache {
+ public:
+  IncidenceCache() = default;
+  IncidenceCache(const IncidenceCache&) = delete;
+  IncidenceCache& operator=(const IncidenceCache&) = delete;
+  ~IncidenceCache();
+
+  // The incidence lists of geometry g on the device, built once per (d, q).
+  absl::StatusOr<const IncidenceLists*> Get(const SmatGeometry& g);
+
+ private:
+  std::mutex mu_;  // guards lists_
+  std::map<std::pair<int, int64_t>, IncidenceLists> lists_;
+};
+
+// InvalidArgument when `groups` (what: e.g. "types (B)") exceed the kMaxGridY
+// groups one launch handles.
+absl::Status CheckGroups(int64_t groups, const char* what);
+
+// Segments per group for a part of `len` tokens split into `groups` groups.
+int SegmentsFor(int64_t len, int64_t groups, int64_t tokens = kTokensPerSegment);
+int SegmentsFor(const SmatTokenGroups& g);
+// The same for the per-token reads of `kind`: segments of kTokensPerSegment
+// tokens for kVecMat, else of kTokensPerReadSegment.
+int ReadSegmentsFor(const SmatTokenGroups& g, SmatReadKind kind);
+
+// Groups of the local tokens [begin, end): content lists when `map` is
+// defined, else the positional progression with period G and `phase`.
+absl::StatusOr<SmatTokenGroups> GroupTokens(const SmatCudaDims& d, const Tensor& map, int64_t begin,
+                                            int64_t end, int64_t G, int64_t phase, Scratch* scratch,
+                                            cudaStream_t s);
+
+// The recent part of the span grouped by type (positional when `type` is
+// undefined: token t has type (t - n) mod B), with the read gates
+// exp(recent_offset + (sum of logg over [recent_begin, t])).
+absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const SmatCudaDims& d,
+                          const Tensor& lam, const Tensor& chunk_decay, const Tensor& recent_offset,
+                          const Tensor& type, Scratch* scratch, cudaStream_t s,
+                          SmatTokenGroups* groups, SmatTokenWeights* w);
+
+// The gates' chunk offsets off [batch, Lc, H] (SmatTokenWeights::off, from
+// LaunchSmatChunkOffsets) in scratch memory.
+absl::StatusOr<const float*> ChunkOffsets(const SmatCudaDims& d, const float* chunk_decay,
+                                          Scratch* scratch, cudaStream_t s);
+
+}  // namespace cuda_groups
+}  // namespace smat
