@@ -1,0 +1,254 @@
+// The shared pieces of B7's fused tensor-core kernel (smat_chunk_bwd_mma.cu):
+// its block shape and shared-memory layout, the per-block state every warp
+// reads (Block), the stores of a warp's output rows (StoreRows) and the side
+// terms S_in and D_bar by columns (SideTerms). The causal sums, the kernel and
+// its launchers stay in the .cu.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_mma.cuh"
+
+namespace smat {
+namespace chunk_bwd_mma {
+
+using cuda_detail::TokenRow;
+using namespace mma_tiles;  // NOLINT: the tensor-core pieces are this file's vocabulary
+
+constexpr int kThreads = 256;
+constexpr int kC = 128;          // chunk tokens held
+constexpr int kW = 64;           // widest r or dv
+constexpr int kLd = 72;          // bf16 row pitch of every staged tile
+constexpr int kTile = kC * kLd;  // bf16 elements of one staged tile
+// Shared memory: phi, psi, v, gbar parts 1, 2, 3 (bf16 [kC][kLd] each), then
+// fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s, [kW]
+// arrays S_in[:, dv], D_bar[:, dv], and the gates' factors rf, cf [kC] and
+// bb [8][8] (mma_tiles::GateFactors).
+constexpr int kPhi = 0, kPsi = 1, kV = 2, kG = 3;  // tile indices
+constexpr int kTiles = 6;
+constexpr int kBlocks = kC / 16;  // 16-token blocks of a chunk
+constexpr int kSmemBytes = kTiles * kTile * 2 + (6 * kC + 2 * kW + kBlocks * kBlocks) * 4;
+
+// The block's shared memory: bf16 tiles, then the fp32 per-token arrays.
+__device__ __forceinline__ __nv_bfloat16* SmemTiles() {
+  extern __shared__ float4 smem4[];
+  return reinterpret_cast<__nv_bfloat16*>(smem4);
+}
+__device__ __forceinline__ float* SmemTokens() {
+  return reinterpret_cast<float*>(SmemTiles() + kTiles * kTile);
+}
+
+// What every warp of a block shares. The per-token arrays are at fixed
+// shared-memory offsets (no registers): gcol = gbar[:, dv], lam, wq = exp(lam),
+// wk = w_s, [kC] each; then scol = S_in[:, dv] and dcol = D_bar[:, dv] ([kW],
+// 0 for rows >= r).
+struct Block {
+  __device__ const float* gcol() const { return SmemTokens(); }
+  __device__ const float* lam() const { return SmemTokens() + kC; }
+  __device__ const float* wq() const { return SmemTokens() + 2 * kC; }
+  __device__ const float* wk() const { return SmemTokens() + 3 * kC; }
+  __device__ const float* scol() const { return SmemTokens() + 4 * kC; }
+  __device__ const float* dcol() const { return SmemTokens() + 4 * kC + kW; }
+  __device__ const float* rf() const { return SmemTokens() + 4 * kC + 2 * kW; }
+  __device__ const float* cf() const { return SmemTokens() + 5 * kC + 2 * kW; }
+  __device__ const float* bb() const { return SmemTokens() + 6 * kC + 2 * kW; }
+  int ce, nb, r, dv, p, kd, kr;
+  bool pairs_r, pairs_v;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
+  int lane, g, tq;
+  // Per-lane element offsets of the ldmatrix row addresses: A (rows m, k
+  // contiguous), B from rows n with k contiguous, B from rows k (.trans).
+  int off_a, off_bn, off_bt;
+  uint32_t base;  // shared-memory address of the tiles
+  __device__ uint32_t Addr(int tile, int row, int col, int off) const {
+    return base + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
+  }
+};
+
+// out rows m0 + (16 rows), columns n0 + (8 kNt) += hi + lo (kAssign: =), for
+// rows < ce and columns < width. Every old value the thread adds to is loaded
+// before the first store of its row (two memory latencies per job, not one per
+// element); pairs: width is even and out 8-byte aligned, so each (n, n + 1)
+// moves as one float2.
+template <int kNt, bool kAssign>
+__device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int m0, int n0, int width, bool pairs,
+                                          float (&hi)[kNt][4], const float (&lo)[kNt][4],
+                                          float* __restrict__ out) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hi[nt][e] += lo[nt][e];
+  float* o[2];
+  bool row_ok[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = m0 + bk.g + 8 * hr;
+    row_ok[hr] = m < bk.ce;
+    o[hr] = out + TokenRow(d, b, c0 + (row_ok[hr] ? m : 0), h) * width;
+  }
+  // One row at a time: kNt x 2 old values live, not all four per n-tile.
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float old[kNt][2];
+    if (pairs) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int n = n0 + 8 * nt + 2 * bk.tq;
+        float2 x = make_float2(0.f, 0.f);
+        if (!kAssign && row_ok[hr] && n < width) x = *reinterpret_cast<const float2*>(o[hr] + n);
+        old[nt][0] = x.x;
+        old[nt][1] = x.y;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int n = n0 + 8 * nt + 2 * bk.tq;
+        if (row_ok[hr] && n < width) {
+          *reinterpret_cast<float2*>(o[hr] + n) =
+              make_float2(old[nt][0] + hi[nt][2 * hr], old[nt][1] + hi[nt][2 * hr + 1]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int n = n0 + 8 * nt + 2 * bk.tq + e1;
+          old[nt][e1] = !kAssign && row_ok[hr] && n < width ? o[hr][n] : 0.f;
+        }
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int n = n0 + 8 * nt + 2 * bk.tq + e1;
+          if (row_ok[hr] && n < width) o[hr][n] = old[nt][e1] + hi[nt][2 * hr + e1];
+        }
+    }
+  }
+}
+
+// The side terms, by columns: warp w owns the 8 columns [8 w, 8 w + 8) of
+// each output for every token of the chunk, so it loads and splits one eighth
+// of S_in and D_bar (a warp that owned rows, as the causal sums do, would need
+// all of both: eight times the loads and splits, which were half the kernel's
+// instructions). Added to out after the causal sums:
+//   phi_bar_t += wq_t (sum_{k < dv} gbar_t[k] S[n][k] + gbar_t[dv] S[n][dv])
+//   psi_bar_s += w_s (sum_{k < dv} D[n][k] v_s[k] + D[n][dv])
+//   v_bar_s   += w_s sum_{k < r} psi_s[k] D[k][n]
+// kSide: which of the three. The B fragments of the warp's columns stay in
+// registers (3 parts x 4 k-steps); four 16-row blocks at a time, so that four
+// independent accumulator chains hide the MMA latency and the old values of
+// their rows load while the products run.
+enum class Side { kQuery, kKeyPsi, kKeyV };
+
+template <Side kSide>
+__device__ __forceinline__ void SideTerms(const Block& bk, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int w, const float* __restrict__ M,
+                                          float* __restrict__ out) {
+  const int g = bk.g, tq = bk.tq;
+  constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
+  const int width = kKeyV ? bk.dv : bk.r;
+  const int n = 8 * w + 2 * tq;  // this thread's first output column
+  if (8 * w >= width) return;
+  // B(k, n) = M[n][k] (query, key psi: k < dv) or M[k][n] (key v: k < r).
+  const int ksteps = kKeyV ? bk.kr : bk.kd;
+  uint32_t bs[4][3][2];
+  {
+    float x[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (kKeyV) {
+        LoadB(M, bk.p, 1, 16 * ks, 8 * w + g, bk.r, bk.dv, tq, x[ks]);
+      } else {
+        LoadB(M, 1, bk.p, 16 * ks, 8 * w + g, bk.dv, bk.r, tq, x[ks]);
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) SplitB(x[ks], bs[ks]);
+  }
+  const bool pairs = kKeyV ? bk.pairs_v : bk.pairs_r;
+  const int a_tile = kQuery ? kG : kKeyV ? kPsi : kV;
+  const float* wrow = kQuery ? bk.wq() : bk.wk();
+  // The ones column: gbar[t][dv] S[n][dv] (query), D[n][dv] (key psi).
+  float extra[2];
+#pragma unroll
+  for (int e1 = 0; e1 < 2; ++e1) {
+    extra[e1] = kQuery ? bk.scol()[n + e1] : kKeyV ? 0.f : bk.dcol()[n + e1];
+  }
+  // Token m's row: o0 + m * stride (the rows of one (b, h) are H rows apart).
+  float* const o0 = out + TokenRow(d, b, c0, h) * width + n;
+  const int64_t stride = static_cast<int64_t>(d.H) * width;
+#pragma unroll 1
+  for (int i0 = 0; i0 < bk.nb; i0 += 4) {
+    // Old values first: [row block][half][column].
+    float old[4][2][2];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = 16 * (i0 + u) + g + 8 * hr;
+        const bool ok = m < bk.ce;
+        const float* o = o0 + (ok ? m : 0) * stride;
+        if (pairs) {
+          float2 x = make_float2(0.f, 0.f);
+          if (ok && n < width) x = *reinterpret_cast<const float2*>(o);
+          old[u][hr][0] = x.x;
+          old[u][hr][1] = x.y;
+        } else {
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) old[u][hr][e1] = ok && n + e1 < width ? o[e1] : 0.f;
+        }
+      }
+    float hi[4][4], lo[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) hi[u][e] = lo[u][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks >= ksteps) continue;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (i0 + u >= bk.nb) continue;
+        if (kQuery) {
+          uint32_t a[3][4];
+#pragma unroll
+          for (int q = 0; q < 3; ++q)
+            Ldsm4(a[q], bk.Addr(kG + q, 16 * (i0 + u), 16 * ks, bk.off_a));
+          Mma3x3(hi[u], lo[u], a, bs[ks]);
+        } else {
+          uint32_t a[4];
+          Ldsm4(a, bk.Addr(a_tile, 16 * (i0 + u), 16 * ks, bk.off_a));
+          Mma1x3(hi[u], lo[u], a, bs[ks]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = 16 * (i0 + u) + g + 8 * hr;
+        if (m >= bk.ce) continue;
+        float y[2];
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const float sum = hi[u][2 * hr + e1] + lo[u][2 * hr + e1];
+          const float side = kQuery ? fmaf(bk.gcol()[m], extra[e1], sum) : sum + extra[e1];
+          y[e1] = old[u][hr][e1] + wrow[m] * side;
+        }
+        float* o = o0 + m * stride;
+        if (pairs) {
+          if (n < width) *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
+        } else {
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1)
+            if (n + e1 < width) o[e1] = y[e1];
+        }
+      }
+  }
+}
+
+}  // namespace chunk_bwd_mma
+}  // namespace smat
