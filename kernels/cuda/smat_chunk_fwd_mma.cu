@@ -31,11 +31,17 @@
 // memory until the warp holding column dv has stored 1 / den; o = y * (1 /
 // den), as LaunchSmatNormalize computes it.
 //
+// Shapes: r = dv = 64 with aligned rows (kFull) runs a copy of the kernel in
+// which the widths are constants; Nsight Compute had shown integer and
+// branch instructions (loop bounds, width tests) at about 40% of the
+// general kernel's, tensor-core MMAs at 9%.
+//
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
-// 2026-12-01): 1.61 ms (65 TFLOP/s of exact-product FLOPs, 2.0 TB/s), against
-// 4.95 ms for the tile of smat_chunk_mma.cu and 6.04 ms with FFMA; gated 1.90.
-// With kNorm 1.90 ms (gated 2.10): TypeReads (=) + this = 2.66 ms, against
-// 3.07 ms for ChunkOutputs + TypeReads (+=) + Normalize before it.
+// 2026-12-01): 1.41 ms (74 TFLOP/s of exact-product FLOPs, 2.3 TB/s; 1.61
+// with the widths as launch values), against 4.95 ms for the tile of
+// smat_chunk_mma.cu and 6.04 ms with FFMA; gated 1.69. With kNorm 1.54 ms
+// (gated 1.77; 1.90 and 2.10 before kFull): TypeReads (=) + this = 2.25 ms,
+// against 3.07 ms for ChunkOutputs + TypeReads (+=) + Normalize.
 //
 // Exactness: as smat_chunk_mma.cu (every fp32 operand in three parts, the
 // correction terms in an accumulator of their own): within 1e-5 of the CPU
@@ -57,13 +63,13 @@ using cuda_detail::TokenRow;
 using namespace mma_tiles;  // NOLINT: the tensor-core pieces are this file's vocabulary
 
 constexpr int kThreads = 256;
-constexpr int kC = 128;                // chunk tokens held
-constexpr int kW = 64;                 // widest r or dv
-constexpr int kLd = 72;                // bf16 row pitch of every staged tile
-constexpr int kTile = kC * kLd;        // a token tile
-constexpr int kPlane = kW * kLd;       // a plane of S_in
+constexpr int kC = 128;           // chunk tokens held
+constexpr int kW = 64;            // widest r or dv
+constexpr int kLd = 72;           // bf16 row pitch of every staged tile
+constexpr int kTile = kC * kLd;   // a token tile
+constexpr int kPlane = kW * kLd;  // a plane of S_in
 constexpr int kPhi = 0, kPsi = 1, kV = 2;
-constexpr int kOffS = 3 * kTile;       // the three planes of S_in
+constexpr int kOffS = 3 * kTile;                // the three planes of S_in
 constexpr int kOffTokens = kOffS + 3 * kPlane;  // fp32 lam, wq [kC] (bf16 units)
 constexpr int kSmemBytes = kOffTokens * 2 + 2 * kC * 4;
 static_assert(kOffTokens % 8 == 0, "the fp32 arrays must be 16-byte aligned");
@@ -84,11 +90,21 @@ struct Outputs {
   float* den;        // [batch, L, H]
 };
 
+// kFull: r = dv = kW (the models' and the benchmark's widths) and 16-byte
+// aligned rows, so that the widths below are constants: the loops over them
+// unroll without bounds checks and the row tests fold away. Otherwise the
+// launch's widths.
+template <bool kFull>
 struct Block {
   __nv_bfloat16* base;
-  int ce, nb, r, p, kr;
+  int ce, nb;
+  int r_, dv_;  // the launch's r and dv (not kFull)
   int g, tq;
   int off_a, off_bn, off_bt;  // ldmatrix lane offsets (see smat_chunk_bwd_mma.cu)
+  __device__ int r() const { return kFull ? kW : r_; }
+  __device__ int dv() const { return kFull ? kW : dv_; }
+  __device__ int p() const { return dv() + 1; }
+  __device__ int kr() const { return (r() + 15) >> 4; }  // 16-wide k-steps over r
   __device__ const float* lam() const { return reinterpret_cast<const float*>(base + kOffTokens); }
   __device__ const float* wq() const { return lam() + kC; }
   // kNorm: the left halves of the rows and the normalisers' reciprocals.
@@ -100,9 +116,9 @@ struct Block {
 };
 
 // Output rows of query block i, n-tiles kN0 .. kN0 + kNt - 1 (8 columns each).
-template <bool kGated, bool kNorm, int kN0, int kNt>
-__device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int i, const Outputs& out) {
+template <bool kGated, bool kNorm, int kN0, int kNt, bool kFull>
+__device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+                                          int h, int64_t c0, int i, const Outputs& out) {
   constexpr int kPairs = (kNt + 1) / 2;  // ldmatrix x4 .trans loads two n-tiles
   const int g = bk.g, tq = bk.tq;
   float hi[kNt][4], lo[kNt][4];
@@ -111,7 +127,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
 #pragma unroll
     for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
   // State term: phi_t (exact) times the planes of S_in.
-  for (int ks = 0; ks < bk.kr; ++ks) {
+  for (int ks = 0; ks < bk.kr(); ++ks) {
     uint32_t a[4];
     Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
     // Per accumulator the order of Mma1x3: lo += a S3, lo += a S2, hi += a S1.
@@ -152,7 +168,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
-    for (int ks = 0; ks < bk.kr; ++ks) {
+    for (int ks = 0; ks < bk.kr(); ++ks) {
       uint32_t a[4], bp[4];
       Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
       Ldsm4(bp, bk.Addr(kPsi * kTile, 16 * j, 16 * ks, bk.off_bn));
@@ -190,13 +206,13 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
     for (int hr = 0; hr < 2; ++hr) {
       const int m = 16 * i + g + 8 * hr;
       if (m >= bk.ce) continue;
-      float* o = out.ybar + TokenRow(d, b, c0 + m, h) * bk.p;
+      float* o = out.ybar + TokenRow(d, b, c0 + m, h) * bk.p();
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
         for (int e1 = 0; e1 < 2; ++e1) {
           const int n = 8 * (kN0 + nt) + 2 * tq + e1;
-          if (n < bk.p) o[n] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+          if (n < bk.p()) o[n] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
         }
     }
   } else if (kN0 == 0) {
@@ -214,7 +230,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
   } else {
     // The right halves hold column dv (p > 32): add the reads, then den and
     // the columns 32 .. dv - 1 of o, as LaunchSmatNormalize computes them.
-    const int dv = d.dv;
+    const int dv = bk.dv();
     const bool pairs = dv % 2 == 0;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -229,7 +245,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
         for (int e1 = 0; e1 < 2; ++e1) {
           const int n = 8 * (kN0 + nt) + 2 * tq + e1;
           y[nt][e1] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
-          if (read && n < bk.p) y[nt][e1] += out.reads[row * bk.p + n];
+          if (read && n < bk.p()) y[nt][e1] += out.reads[row * bk.p() + n];
           if (n == dv) ydv = y[nt][e1];
         }
       // Column dv lives in lane tq = (dv % 8) / 2 of the row's quad.
@@ -259,10 +275,11 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
 // kNorm, after both halves: columns 0-31 of o (all below dv >= 32) from the
 // left halves, their reads and the normalisers. 16 threads per row, two
 // columns each; a thread's reads are all loaded before the first is used.
-__device__ __forceinline__ void FinishLeftHalves(const Block& bk, const SmatCudaDims& d, int b,
-                                                 int h, int64_t c0, const Outputs& out) {
+template <bool kFull>
+__device__ __forceinline__ void FinishLeftHalves(const Block<kFull>& bk, const SmatCudaDims& d,
+                                                 int b, int h, int64_t c0, const Outputs& out) {
   constexpr int kRows = kC / (kThreads / 16);  // rows per thread
-  const int dv = d.dv, tid = threadIdx.x;
+  const int dv = bk.dv(), tid = threadIdx.x;
   const int n = 2 * (tid & 15), m0 = tid >> 4;
   const bool read = out.reads != nullptr && c0 >= out.recent_begin;  // chunks never cross n
   // Rows m0 + 16 k of the chunk: token rows 16 k H apart.
@@ -271,7 +288,7 @@ __device__ __forceinline__ void FinishLeftHalves(const Block& bk, const SmatCuda
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     const bool here = read && m0 + k * (kThreads / 16) < bk.ce;
-    const float* src = out.reads + (row0 + k * step) * bk.p + n;
+    const float* src = out.reads + (row0 + k * step) * bk.p() + n;
     x[k][0] = here ? src[0] : 0.f;
     x[k][1] = here ? src[1] : 0.f;
   }
@@ -295,8 +312,8 @@ __device__ __forceinline__ void FinishLeftHalves(const Block& bk, const SmatCuda
 }
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes (kNorm: kSmemNormBytes)
-// of shared memory.
-template <bool kGated, bool kNorm>
+// of shared memory. kFull: r = dv = kW and vec_in (see Block).
+template <bool kGated, bool kNorm, bool kFull>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkForwardFusedKernel(SmatCudaDims d, bool vec_in, const __nv_bfloat16* __restrict__ phi,
                             const __nv_bfloat16* __restrict__ psi,
@@ -312,7 +329,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
-  const int r = d.r, dv = d.dv, p = d.p;
+  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  if (kFull) vec_in = true;
   const int64_t tok = TokenRow(d, b, c0, h);
   const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
 
@@ -326,12 +344,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   // ---- staging ----
-  StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, stride_r, r, ce, vec_in,
-                                       base + kPhi * kTile);
-  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, stride_r, r, ce, vec_in,
-                                       base + kPsi * kTile);
-  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in,
-                                       base + kV * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, stride_r, r, ce, vec_in, base + kPhi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, stride_r, r, ce, vec_in, base + kPsi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
   {
     // S_in[k] in three bf16 planes [kW][kLd]; zero outside r x p. All loads of
     // a thread issue before the first use (clamped indices, no branches).
@@ -370,13 +385,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   __syncthreads();
 
-  Block bk;
+  Block<kFull> bk;
   bk.base = base;
   bk.ce = ce;
   bk.nb = (ce + 15) >> 4;
-  bk.r = r;
-  bk.p = p;
-  bk.kr = (r + 15) >> 4;
+  bk.r_ = r;
+  bk.dv_ = dv;
   const int lane = tid & 31;
   bk.g = lane >> 2;
   bk.tq = lane & 3;
@@ -392,21 +406,31 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-template <bool kGated, bool kNorm>
-cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
-                        const float* lam, const float* S_in, const Outputs& out,
-                        cudaStream_t stream) {
-  auto kernel = ChunkForwardFusedKernel<kGated, kNorm>;
+template <bool kGated, bool kNorm, bool kFull>
+cudaError_t LaunchShaped(const SmatCudaDims& d, bool vec, const void* phi, const void* psi,
+                         const void* v, const float* lam, const float* S_in, const Outputs& out,
+                         cudaStream_t stream) {
+  auto kernel = ChunkForwardFusedKernel<kGated, kNorm, kFull>;
   constexpr int kBytes = kNorm ? kSmemNormBytes : kSmemBytes;
   const cudaError_t err = AllowSharedMemory(kernel, kBytes);
   if (err != cudaSuccess) return err;
-  const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
-                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
   const dim3 grid = cuda_detail::ChunkGrid(d);
   kernel<<<grid, kThreads, kBytes, stream>>>(d, vec, static_cast<const __nv_bfloat16*>(phi),
                                              static_cast<const __nv_bfloat16*>(psi),
                                              static_cast<const __nv_bfloat16*>(v), lam, S_in, out);
   return cudaGetLastError();
+}
+
+template <bool kGated, bool kNorm>
+cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
+                        const float* lam, const float* S_in, const Outputs& out,
+                        cudaStream_t stream) {
+  const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
+                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
+  if (vec && d.r == kW && d.dv == kW) {
+    return LaunchShaped<kGated, kNorm, true>(d, vec, phi, psi, v, lam, S_in, out, stream);
+  }
+  return LaunchShaped<kGated, kNorm, false>(d, vec, phi, psi, v, lam, S_in, out, stream);
 }
 
 }  // namespace
