@@ -50,9 +50,11 @@
 // same inputs give the same bits, within 1e-5 of the CPU phases
 // (tests/gpu/smat_gpu_test.cc).
 //
-// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.70 ms
-// ungated and 6.01 ms gated (the off-diagonal gates from their factors,
-// mma_tiles::GateFactors; 6.11 ms with an exp per element), writing its
+// Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.64 ms
+// ungated and 5.94 ms gated with the widths as constants (Block<kFull>, 72 KB
+// of code against 105 KB; 5.70 and 6.01 ms with the launch's widths); the
+// off-diagonal gates from their factors (mma_tiles::GateFactors; 6.11 ms
+// with an exp per element), writing its
 // outputs (kAssign; ungated 7.27 ms with the side terms by rows, 8.51 ms
 // adding to outputs read back), against 21.7 ms for the three FFMA tiles. Per
 // (chunk, b * H) the kernel issues 8832 MMAs (the splits make that about five
@@ -78,14 +80,14 @@ namespace {
 
 using cuda_detail::ChunkRow;
 using cuda_detail::TokenRow;
-using namespace mma_tiles;  // NOLINT: the tensor-core pieces are this file's vocabulary
+using namespace mma_tiles;      // NOLINT: the tensor-core pieces are this file's vocabulary
 using namespace chunk_bwd_mma;  // NOLINT: the kernel's shared pieces
 
 // phi_bar rows t of block i += the causal sum (kAssign: =).
-template <bool kGated, bool kAssign>
-__device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int i, float* __restrict__ phi_bar) {
-  const int g = bk.g, tq = bk.tq, r = bk.r;
+template <bool kGated, bool kAssign, bool kFull>
+__device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+                                          int h, int64_t c0, int i, float* __restrict__ phi_bar) {
+  const int g = bk.g, tq = bk.tq, r = bk.r();
   float hi[8][4], lo[8][4];
   float gc[2], lt[2], rt[2];
 #pragma unroll
@@ -107,7 +109,7 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
       for (int e = 0; e < 4; ++e) sc[nt][e] = scl[nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if (ks >= bk.kd) continue;
+      if (ks >= bk.kd()) continue;
       uint32_t a[3][4], bv[4];
 #pragma unroll
       for (int q = 0; q < 3; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
@@ -152,13 +154,14 @@ __device__ __forceinline__ void QueryRows(const Block& bk, const SmatCudaDims& d
         Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r, hi, lo, phi_bar);
+  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r(), hi, lo, phi_bar);
 }
 
 // A key-row tile X^T[s, t] (rows s of block j: ls = lam_s; columns t of
 // block i >= j) times W[t, s]: the diagonal tile by an exp per element, the
 // others from mma_tiles::GateFactors' factors (rk = cf[s] bb[i][j]).
-__device__ __forceinline__ void GateKeyTile(const Block& bk, int i, int j, int tq,
+template <bool kFull>
+__device__ __forceinline__ void GateKeyTile(const Block<kFull>& bk, int i, int j, int tq,
                                             const float (&ls)[2], const float (&rk)[2],
                                             float (&sc)[2][4]) {
   if (j == i) {
@@ -177,10 +180,10 @@ __device__ __forceinline__ void GateKeyTile(const Block& bk, int i, int j, int t
 }
 
 // psi_bar rows s of block j += the causal sum (kAssign: =).
-template <bool kGated, bool kAssign>
-__device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                           int64_t c0, int j, float* __restrict__ psi_bar) {
-  const int g = bk.g, tq = bk.tq, r = bk.r;
+template <bool kGated, bool kAssign, bool kFull>
+__device__ __forceinline__ void KeyRowsPsi(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+                                           int h, int64_t c0, int j, float* __restrict__ psi_bar) {
+  const int g = bk.g, tq = bk.tq, r = bk.r();
   float hi[8][4], lo[8][4];
   float ls[2], cs[2];
 #pragma unroll
@@ -201,7 +204,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
       for (int e = 0; e < 4; ++e) sc[nt][e] = scl[nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if (ks >= bk.kd) continue;
+      if (ks >= bk.kd()) continue;
       uint32_t a[4], bg[3][4];
       Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
 #pragma unroll
@@ -239,15 +242,16 @@ __device__ __forceinline__ void KeyRowsPsi(const Block& bk, const SmatCudaDims& 
         Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r, hi, lo, psi_bar);
+  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r(), hi, lo, psi_bar);
 }
 
 // v_bar rows s of block j, columns [32 hf, 32 hf + 32) += the causal sum
 // (kAssign: =).
-template <bool kGated, bool kAssign>
-__device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                         int64_t c0, int j, int hf, float* __restrict__ v_bar) {
-  const int g = bk.g, tq = bk.tq, dv = bk.dv;
+template <bool kGated, bool kAssign, bool kFull>
+__device__ __forceinline__ void KeyRowsV(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+                                         int h, int64_t c0, int j, int hf,
+                                         float* __restrict__ v_bar) {
+  const int g = bk.g, tq = bk.tq, dv = bk.dv();
   const int n0 = 32 * hf;
   float hi[4][4], lo[4][4];
   float ls[2], cs[2];
@@ -268,7 +272,7 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if (ks >= bk.kr) continue;
+      if (ks >= bk.kr()) continue;
       uint32_t a[4], bp[4];
       Ldsm4(a, bk.Addr(kPsi, 16 * j, 16 * ks, bk.off_a));
       Ldsm4(bp, bk.Addr(kPhi, 16 * i, 16 * ks, bk.off_bn));
@@ -300,12 +304,13 @@ __device__ __forceinline__ void KeyRowsV(const Block& bk, const SmatCudaDims& d,
       }
     }
   }
-  StoreRows<4, kAssign>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v, hi, lo, v_bar);
+  StoreRows<4, kAssign>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v(), hi, lo, v_bar);
 }
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes of shared memory.
 // kAssign: the outputs are written, not added to (SmatWrite::kAssign).
-template <bool kGated, bool kAssign>
+// kFull: r = dv = kW, vec_in, pairs_r and pairs_v (see Block).
+template <bool kGated, bool kAssign, bool kFull>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, bool pairs_r, bool pairs_v,
                              const __nv_bfloat16* __restrict__ phi,
@@ -327,17 +332,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
-  const int r = d.r, dv = d.dv, p = d.p;
+  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  if (kFull) vec_in = true;
   const int64_t crow = ChunkRow(d, b, k, h);
 
   // ---- staging ----
   const int64_t tok = TokenRow(d, b, c0, h);
-  StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, static_cast<int64_t>(d.H) * r, r, ce,
-                                       vec_in, tiles + kPhi * kTile);
-  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, static_cast<int64_t>(d.H) * r, r, ce,
-                                       vec_in, tiles + kPsi * kTile);
-  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce,
-                                       vec_in, tiles + kV * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in,
+                                       tiles + kPhi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in,
+                                       tiles + kPsi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce, vec_in,
+                                       tiles + kV * kTile);
   {
     // gbar[:, 0:dv] in three parts, a column pair (n, n + 1) per thread and
     // step (Split3, one 4-byte store per part); gcol = gbar[:, dv]. All 32
@@ -389,16 +395,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
   }
 
-  Block bk;
+  Block<kFull> bk;
   bk.ce = ce;
   bk.nb = (ce + 15) >> 4;
-  bk.r = r;
-  bk.dv = dv;
-  bk.p = p;
-  bk.kd = (dv + 15) >> 4;
-  bk.kr = (r + 15) >> 4;
-  bk.pairs_r = pairs_r;
-  bk.pairs_v = pairs_v;
+  bk.r_ = r;
+  bk.dv_ = dv;
+  bk.pairs_r_ = pairs_r;
+  bk.pairs_v_ = pairs_v;
   bk.base = SmemAddr(tiles);
   bk.lane = tid & 31;
   bk.g = bk.lane >> 2;
@@ -432,20 +435,22 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
                         const float* lam, const float* chunk_decay, const float* S_in,
                         const float* gbar, const float* D_bar, float* phi_bar, float* psi_bar,
                         float* v_bar, cudaStream_t stream) {
-  auto kernel = ChunkBackwardFusedKernel<kGated, kAssign>;
-  // Two blocks per SM need the largest shared-memory carveout.
-  const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes);
-  if (err != cudaSuccess) return err;
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
   auto aligned8 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 7) == 0; };
   const bool pairs_r = d.r % 2 == 0 && aligned8(phi_bar) && aligned8(psi_bar);
   const bool pairs_v = d.dv % 2 == 0 && aligned8(v_bar);
+  const bool full = d.r == kW && d.dv == kW && vec && pairs_r && pairs_v;
+  auto kernel = full ? ChunkBackwardFusedKernel<kGated, kAssign, true>
+                     : ChunkBackwardFusedKernel<kGated, kAssign, false>;
+  // Two blocks per SM need the largest shared-memory carveout.
+  const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes);
+  if (err != cudaSuccess) return err;
   const dim3 grid = cuda_detail::ChunkGrid(d);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-      d, vec, pairs_r, pairs_v, static_cast<const __nv_bfloat16*>(phi), static_cast<const __nv_bfloat16*>(psi),
-      static_cast<const __nv_bfloat16*>(v), lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar,
-      v_bar);
+      d, vec, pairs_r, pairs_v, static_cast<const __nv_bfloat16*>(phi),
+      static_cast<const __nv_bfloat16*>(psi), static_cast<const __nv_bfloat16*>(v), lam,
+      chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar);
   return cudaGetLastError();
 }
 

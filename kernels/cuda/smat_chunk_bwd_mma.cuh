@@ -44,7 +44,11 @@ __device__ __forceinline__ float* SmemTokens() {
 // What every warp of a block shares. The per-token arrays are at fixed
 // shared-memory offsets (no registers): gcol = gbar[:, dv], lam, wq = exp(lam),
 // wk = w_s, [kC] each; then scol = S_in[:, dv] and dcol = D_bar[:, dv] ([kW],
-// 0 for rows >= r).
+// 0 for rows >= r). kFull: r = dv = kW, the staged rows 16-byte aligned and
+// the outputs 8-byte aligned (the models' and the benchmark's case), so that
+// the widths and the pair stores are constants: the width tests of the loops
+// and stores fold away. Otherwise the launch's values.
+template <bool kFull>
 struct Block {
   __device__ const float* gcol() const { return SmemTokens(); }
   __device__ const float* lam() const { return SmemTokens() + kC; }
@@ -55,8 +59,16 @@ struct Block {
   __device__ const float* rf() const { return SmemTokens() + 4 * kC + 2 * kW; }
   __device__ const float* cf() const { return SmemTokens() + 5 * kC + 2 * kW; }
   __device__ const float* bb() const { return SmemTokens() + 6 * kC + 2 * kW; }
-  int ce, nb, r, dv, p, kd, kr;
-  bool pairs_r, pairs_v;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
+  int ce, nb;
+  int r_, dv_;              // the launch's r and dv (not kFull)
+  bool pairs_r_, pairs_v_;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
+  __device__ int r() const { return kFull ? kW : r_; }
+  __device__ int dv() const { return kFull ? kW : dv_; }
+  __device__ int p() const { return dv() + 1; }
+  __device__ int kd() const { return (dv() + 15) >> 4; }  // 16-wide k-steps over dv
+  __device__ int kr() const { return (r() + 15) >> 4; }   // and over r
+  __device__ bool pairs_r() const { return kFull || pairs_r_; }
+  __device__ bool pairs_v() const { return kFull || pairs_v_; }
   int lane, g, tq;
   // Per-lane element offsets of the ldmatrix row addresses: A (rows m, k
   // contiguous), B from rows n with k contiguous, B from rows k (.trans).
@@ -72,9 +84,9 @@ struct Block {
 // before the first store of its row (two memory latencies per job, not one per
 // element); pairs: width is even and out 8-byte aligned, so each (n, n + 1)
 // moves as one float2.
-template <int kNt, bool kAssign>
-__device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int m0, int n0, int width, bool pairs,
+template <int kNt, bool kAssign, bool kFull>
+__device__ __forceinline__ void StoreRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+                                          int h, int64_t c0, int m0, int n0, int width, bool pairs,
                                           float (&hi)[kNt][4], const float (&lo)[kNt][4],
                                           float* __restrict__ out) {
 #pragma unroll
@@ -143,32 +155,32 @@ __device__ __forceinline__ void StoreRows(const Block& bk, const SmatCudaDims& d
 // their rows load while the products run.
 enum class Side { kQuery, kKeyPsi, kKeyV };
 
-template <Side kSide>
-__device__ __forceinline__ void SideTerms(const Block& bk, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int w, const float* __restrict__ M,
+template <Side kSide, bool kFull>
+__device__ __forceinline__ void SideTerms(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+                                          int h, int64_t c0, int w, const float* __restrict__ M,
                                           float* __restrict__ out) {
   const int g = bk.g, tq = bk.tq;
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
-  const int width = kKeyV ? bk.dv : bk.r;
+  const int width = kKeyV ? bk.dv() : bk.r();
   const int n = 8 * w + 2 * tq;  // this thread's first output column
   if (8 * w >= width) return;
   // B(k, n) = M[n][k] (query, key psi: k < dv) or M[k][n] (key v: k < r).
-  const int ksteps = kKeyV ? bk.kr : bk.kd;
+  const int ksteps = kKeyV ? bk.kr() : bk.kd();
   uint32_t bs[4][3][2];
   {
     float x[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (kKeyV) {
-        LoadB(M, bk.p, 1, 16 * ks, 8 * w + g, bk.r, bk.dv, tq, x[ks]);
+        LoadB(M, bk.p(), 1, 16 * ks, 8 * w + g, bk.r(), bk.dv(), tq, x[ks]);
       } else {
-        LoadB(M, 1, bk.p, 16 * ks, 8 * w + g, bk.dv, bk.r, tq, x[ks]);
+        LoadB(M, 1, bk.p(), 16 * ks, 8 * w + g, bk.dv(), bk.r(), tq, x[ks]);
       }
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) SplitB(x[ks], bs[ks]);
   }
-  const bool pairs = kKeyV ? bk.pairs_v : bk.pairs_r;
+  const bool pairs = kKeyV ? bk.pairs_v() : bk.pairs_r();
   const int a_tile = kQuery ? kG : kKeyV ? kPsi : kV;
   const float* wrow = kQuery ? bk.wq() : bk.wk();
   // The ones column: gbar[t][dv] S[n][dv] (query), D[n][dv] (key psi).
