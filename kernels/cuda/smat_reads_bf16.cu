@@ -37,7 +37,10 @@
 // flight per thread instead of all), so SmatUseReadsBf16 leaves it to
 // SMAT_CUDA_GROUPED=mma. kVecMat is bound by neither pipe (Nsight Compute:
 // 46% of the SM, 29% of DRAM): its p-wide output rows (65 floats) leave as
-// single floats.
+// single floats. With r = dv = 64 the kernels run with the widths as
+// constants (kFull; Nsight Compute had counted integer instructions and
+// branches at about 40% of these kernels'): TypeReads (=) 0.78 -> 0.73 ms
+// (the same run; 0.71 in an earlier one), ProfilePoolingBackward unchanged.
 //
 // TypeReadsBackwardKernel (further down) fuses kMatVec with the outer sums
 // of U_bar over the same tokens, gbar staged once for both.
@@ -72,13 +75,13 @@ using mma_tiles::Ldsm4T;
 using mma_tiles::SmemAddr;
 
 constexpr int kThreads = 256;
-constexpr int kC = 128;               // tokens staged at a time
-constexpr int kW = 64;                // widest r or dv
+constexpr int kC = 128;                        // tokens staged at a time
+constexpr int kW = 64;                         // widest r or dv
 constexpr int kLdT = outer_tile::kLd;          // bf16 pitch of a token plane (144 bytes)
 constexpr int kTokPlane = outer_tile::kPlane;  // bf16 elements of a token plane
 static_assert(kC == outer_tile::kC, "token planes are staged as the outer sums stage them");
-constexpr int kLdM = 88;              // bf16 pitch of an M plane (176 bytes; p <= 80)
-constexpr int kMPlane = kW * kLdM;    // bf16 elements of an M plane
+constexpr int kLdM = 88;            // bf16 pitch of an M plane (176 bytes; p <= 80)
+constexpr int kMPlane = kW * kLdM;  // bf16 elements of an M plane
 
 // gbar's loads in flight per thread as it is split: all of a tile's (kMatVec)
 // or, beside U_bar's accumulators, a third (TypeReadsBackwardKernel).
@@ -281,7 +284,9 @@ __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float 
 }
 
 // GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kRead).
-template <SmatReadKind kRead>
+// kFull: r = dv = kW, so that the widths are constants (their loops unroll
+// without bounds checks, as in the chunk tiles' Block<kFull>).
+template <SmatReadKind kRead, bool kFull>
 __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
                                             : kRead == SmatReadKind::kBoth ? 3
                                                                            : 2)
@@ -300,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
   float* gcol = w + kC;
   const cuda_detail::GroupBlock blk(groups, d, segments);
   if (blk.lo >= blk.hi) return;  // uniform over the block
-  const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kPlanes = TokenPlanes(kRead);
 
   // Token columns no staging writes are zero: kVecMat's and psi's r.., v's and
@@ -385,11 +391,13 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
 // U_bar tile sums the bf16 outer sums' planes in their order: the same bits
 // as LaunchSmatOuterSumBf16. Gated, the weight goes to gbar, so U_bar's
 // product stays 3 MMAs (the general kernel weights phi: 6). H200, bf16,
-// T = 524288, d = 2, 8 heads: TypeReadsBackward 1.61 ms ungated (1.60 in two
-// passes), 1.68 ms gated (2.03).
+// T = 524288, d = 2, 8 heads: TypeReadsBackward 1.41 ms ungated, 1.45 ms
+// gated with the widths as constants (kFull; 1.61 and 1.68 ms without; 1.60
+// and 2.03 ms in two passes).
 constexpr int kFusedOffRows = kOffTok + 4 * kTokPlane * 2;
 constexpr int kFusedSmemBytes = kFusedOffRows + kC * 8 + 2 * kC * 4;
 
+template <bool kFull>
 __global__ void __launch_bounds__(kThreads, 2)
     TypeReadsBackwardKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
                             const float* __restrict__ U, SmatMatrixLayout lay,
@@ -406,7 +414,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* w = reinterpret_cast<float*>(rows + kC);
   float* gcol = w + kC;
   const cuda_detail::GroupBlock blk(groups, d, segments);
-  const int r = d.r, p = d.p, dv = d.dv, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // Columns no staging writes: phi's r.., wg's p.. .
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
@@ -455,7 +464,8 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
                    const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                    const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
                    float* out_v, bool assign_p, cudaStream_t stream) {
-  auto kernel = ReadsBf16Kernel<kRead>;
+  auto kernel =
+      d.r == kW && d.dv == kW ? ReadsBf16Kernel<kRead, true> : ReadsBf16Kernel<kRead, false>;
   constexpr int kSmem = SmemBytes(kRead);
   const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kSmem);
   if (err != cudaSuccess) return err;
@@ -494,12 +504,14 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTok
                                             const SmatMatrixLayout& out_lay, float* U_bar,
                                             float* phi_bar, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  const cudaError_t err = mma_tiles::AllowSharedMemory(TypeReadsBackwardKernel, kFusedSmemBytes);
+  auto kernel =
+      d.r == kW && d.dv == kW ? TypeReadsBackwardKernel<true> : TypeReadsBackwardKernel<false>;
+  const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kFusedSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
-  TypeReadsBackwardKernel<<<grid, kThreads, kFusedSmemBytes, stream>>>(
-      d, groups, segments, U, lay, static_cast<const __nv_bfloat16*>(phi), gbar, w, out_lay, U_bar,
-      phi_bar);
+  kernel<<<grid, kThreads, kFusedSmemBytes, stream>>>(d, groups, segments, U, lay,
+                                                      static_cast<const __nv_bfloat16*>(phi), gbar,
+                                                      w, out_lay, U_bar, phi_bar);
   return cudaGetLastError();
 }
 
