@@ -123,6 +123,12 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOut(U, {F.dim(0), F.dim(1), g.B, F.dim(3), F.dim(4)}, "U"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.B, "types (B)"));
     SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, incidence_.Get(g));
+    if (g.D == 2 && SmatTabulatePlaneFits(g.q)) {
+      return CudaStatus(LaunchSmatTabulatePlane(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.q,
+                                                lists->flat_to_type, lists->inverses,
+                                                /*adjoint=*/false, F32(F), F32(U), s),
+                        "Tabulate kernel");
+    }
     return CudaStatus(LaunchSmatTabulate(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.P, g.B,
                                          lists->type_offsets, lists->type_points, lists->entries,
                                          F32(F), F32(U), s),
@@ -374,6 +380,13 @@ class CudaSmatKernels final : public SmatKernels {
         F_bar, {U_bar.dim(0), U_bar.dim(1), g.P, U_bar.dim(3), U_bar.dim(4)}, "F_bar"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.P, "profiles (P)"));
     SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, incidence_.Get(g));
+    if (g.D == 2 && SmatTabulatePlaneFits(g.q)) {
+      return CudaStatus(
+          LaunchSmatTabulatePlane(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4), g.q,
+                                  lists->flat_to_type, lists->inverses, /*adjoint=*/true,
+                                  F32(U_bar), F32(F_bar), s),
+          "TabulateBackward kernel");
+    }
     return CudaStatus(LaunchSmatTabulate(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4),
                                          g.B, g.P, lists->point_offsets, lists->point_types,
                                          lists->entries, F32(U_bar), F32(F_bar), s),

@@ -21,6 +21,8 @@ IncidenceCache::~IncidenceCache() {
     cudaFree(lists.type_points);
     cudaFree(lists.point_offsets);
     cudaFree(lists.point_types);
+    cudaFree(lists.flat_to_type);
+    cudaFree(lists.inverses);
   }
 }
 
@@ -68,6 +70,18 @@ absl::StatusOr<const IncidenceLists*> IncidenceCache::Get(const SmatGeometry& g)
   SMAT_RETURN_IF_ERROR(upload(ti, &lists.type_points));
   SMAT_RETURN_IF_ERROR(upload(po, &lists.point_offsets));
   SMAT_RETURN_IF_ERROR(upload(pi, &lists.point_types));
+  // 1 / m mod q for the plane's tabulation (q prime; q = 1 when d = 1).
+  std::vector<int32_t> inverses(std::max<int64_t>(g.q, 1), 0);
+  for (int64_t m = 1; m < g.q; ++m) {
+    for (int64_t y = 1; y < g.q; ++y) {
+      if (m * y % g.q == 1) {
+        inverses[m] = static_cast<int32_t>(y);
+        break;
+      }
+    }
+  }
+  SMAT_RETURN_IF_ERROR(upload(g.flat_to_type, &lists.flat_to_type));
+  SMAT_RETURN_IF_ERROR(upload(inverses, &lists.inverses));
   return &lists_.emplace(key, lists).first->second;
 }
 

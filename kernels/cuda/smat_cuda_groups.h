@@ -66,6 +66,9 @@ struct IncidenceLists {
   int32_t* point_offsets = nullptr;  // [P + 1]
   int32_t* point_types = nullptr;    // types through each point, by direction
   int64_t entries = 0;               // incidences: the length of either item list
+  // For the tabulation from the geometry (d = 3, LaunchSmatTabulatePlane):
+  int32_t* flat_to_type = nullptr;  // [B], SmatGeometry::flat_to_type
+  int32_t* inverses = nullptr;      // [q]: 1 / m mod q (inverses[0] = 0)
 };
 
 // The incidence lists of every geometry asked for, on the device (cudaMalloc,

@@ -145,6 +145,16 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& dims, const SmatTokenGrou
                                    const float* g, const SmatTokenWeights& w, float* out_p,
                                    float* out_r, float* out_v, bool assign_p, cudaStream_t stream);
 
+// Stable counting sort of the span's tokens [begin, end) of each (b, h) by
+// map[b, i, h] in [0, G) (content maps): offsets [batch * H, G + 1], perm
+// [batch * H, end - begin]; counts is scratch [batch * H, G]. Tokens whose id
+// is out of range are left out of every group.
+cudaError_t LaunchSmatGroupByContent(const SmatCudaDims& dims, const int32_t* map, int64_t begin,
+                                     int64_t end, int num_groups, int32_t* counts, int32_t* offsets,
+                                     int32_t* perm, cudaStream_t stream);
+
+// ---- smat_tabulate.cu ------------------------------------------------------------
+
 // out[bh, g] = sum_{j in list[g]} in[bh, items[j]] for W-wide rows, lists in
 // CSR form (offsets [G_out + 1], items: `entries` in all), summed in list
 // order: Algorithm 2 (U = C F, lists = points of each type) and its adjoint
@@ -153,13 +163,18 @@ cudaError_t LaunchSmatTabulate(int64_t batch_heads, int64_t W, int64_t g_in, int
                                const int32_t* offsets, const int32_t* items, int64_t entries,
                                const float* in, float* out, cudaStream_t stream);
 
-// Stable counting sort of the span's tokens [begin, end) of each (b, h) by
-// map[b, i, h] in [0, G) (content maps): offsets [batch * H, G + 1], perm
-// [batch * H, end - begin]; counts is scratch [batch * H, G]. Tokens whose id
-// is out of range are left out of every group.
-cudaError_t LaunchSmatGroupByContent(const SmatCudaDims& dims, const int32_t* map, int64_t begin,
-                                     int64_t end, int num_groups, int32_t* counts,
-                                     int32_t* offsets, int32_t* perm, cudaStream_t stream);
+// The same sums for d = 3 from the geometry: the points
+// of F_q^2 (index x0 q + x1) and its lines as types, line (e, b) = type
+// flat_to_type[e q + b] with direction e = 0: (0, 1), e = 1 + m: (1, m)
+// (SmatGeometry with D = 2); inverses[m] = 1 / m mod q (m = 1 .. q - 1).
+// adjoint false: out = U [bh, B, W] from in = F [bh, P, W]; true: out = F_bar
+// from U_bar. SmatTabulatePlaneFits: whether its tile (4 columns of every
+// row) fits the device's shared memory (else the lists serve), and
+// SMAT_CUDA_GROUPED is not "general" (which keeps the lists).
+bool SmatTabulatePlaneFits(int64_t q);
+cudaError_t LaunchSmatTabulatePlane(int64_t batch_heads, int64_t W, int64_t q,
+                                    const int32_t* flat_to_type, const int32_t* inverses,
+                                    bool adjoint, const float* in, float* out, cudaStream_t stream);
 
 // ---- smat_chunk.cu --------------------------------------------------------------
 

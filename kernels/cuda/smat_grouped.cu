@@ -2,9 +2,8 @@
 // groups of tokens (chunk summaries, Algorithm 1 step 5; profile pooling, step
 // 2; the chunk state gradients and the type-table gradient of eq. 18-19), the
 // per-token reads against a group's r x p matrix (per-type reads, step 4, and
-// their adjoints), the implicit incidence tabulation of Algorithm 2 and its
-// adjoint (a column tile of the input per block when it fits shared memory),
-// and the stable counting sort that groups tokens under content maps.
+// their adjoints), and the stable counting sort that groups tokens under
+// content maps. The incidence tabulation of Algorithm 2: smat_tabulate.cu.
 //
 // Work is spread over (segment, group, b * H) blocks rather than one block per
 // head: a group's token list is cut into equal segments whose partial sums are
@@ -170,84 +169,6 @@ __global__ void GroupedReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int s
   }
 }
 
-// grid (ceil(W / 256), g_out, batch_heads).
-__global__ void TabulateKernel(int64_t W, int64_t g_in, int64_t g_out,
-                               const int32_t* __restrict__ offsets,
-                               const int32_t* __restrict__ items, const float* __restrict__ in,
-                               float* __restrict__ out) {
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (w >= W) return;
-  const int64_t g = blockIdx.y, bh = blockIdx.z;
-  const float* base = in + bh * g_in * W + w;
-  float acc = 0.f;
-  for (int32_t j = offsets[g]; j < offsets[g + 1]; ++j) acc += base[static_cast<int64_t>(items[j]) * W];
-  out[(bh * g_out + g) * W + w] = acc;
-}
-
-// grid (ceil(W / kTabCols), batch_heads), kTabThreads threads: the block holds
-// in[bh, :, w0 : w0 + kTabCols] (g_in x kTabCols floats) in shared memory and
-// forms every output group from it, so `in` is read from memory once rather
-// than once per list entry. Same sums, same order as TabulateKernel.
-constexpr int kTabCols = 8;
-constexpr int kTabThreads = 512;
-
-template <int kColsPerThread>
-__global__ void __launch_bounds__(kTabThreads)
-    TabulateColumnsKernel(int64_t W, int64_t g_in, int64_t g_out,
-                          const int32_t* __restrict__ offsets, const int32_t* __restrict__ items,
-                          const float* __restrict__ in, float* __restrict__ out) {
-  extern __shared__ float tab[];  // [g_in][kTabCols]
-  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTabCols, bh = blockIdx.y;
-  const int nc = static_cast<int>(cuda_detail::Min64(kTabCols, W - w0));
-  const float* base = in + bh * g_in * W + w0;
-  const int64_t total = g_in * kTabCols;
-  constexpr int kUnroll = 8;  // loads in flight per thread
-  for (int64_t e0 = threadIdx.x; e0 < total; e0 += kTabThreads * kUnroll) {
-    float x[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t e = e0 + u * kTabThreads;
-      const int c = static_cast<int>(e & (kTabCols - 1));
-      x[u] = e < total && c < nc ? __ldg(&base[(e / kTabCols) * W + c]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t e = e0 + u * kTabThreads;
-      if (e < total) tab[e] = x[u];
-    }
-  }
-  __syncthreads();
-  // kColsPerThread = 4: a thread sums four of the tile's columns of one
-  // output, each list entry one 16-byte shared-memory load, so a warp
-  // instruction serves 16 outputs instead of 4 (long lists, d >= 3: the
-  // loads limit the loop). 1: a thread per column (lists of a point or two,
-  // d = 2: more threads per output row, fewer registers). Either way each
-  // column is summed alone, in list order.
-  constexpr int kPer = kTabCols / kColsPerThread;  // threads per output
-  const int c0 = kColsPerThread * (threadIdx.x % kPer);
-  for (int64_t g = threadIdx.x / kPer; g < g_out; g += kTabThreads / kPer) {
-    float acc[kColsPerThread] = {};
-    for (int32_t j = offsets[g]; j < offsets[g + 1]; ++j) {
-      const float* x = &tab[items[j] * kTabCols + c0];
-      if constexpr (kColsPerThread == 4) {
-        const float4 x4 = *reinterpret_cast<const float4*>(x);
-        acc[0] += x4.x;
-        acc[1] += x4.y;
-        acc[2] += x4.z;
-        acc[3] += x4.w;
-      } else {
-#pragma unroll
-        for (int u = 0; u < kColsPerThread; ++u) acc[u] += x[u];
-      }
-    }
-    float* o = out + (bh * g_out + g) * W + w0 + c0;
-#pragma unroll
-    for (int u = 0; u < kColsPerThread; ++u) {
-      if (c0 + u < nc) o[u] = acc[u];
-    }
-  }
-}
-
 // One warp per (b, h): count, exclusive offsets, then a stable placement in
 // token order (ranks inside a 32-token step from __match_any_sync).
 __global__ void GroupByContentKernel(SmatCudaDims d, const int32_t* __restrict__ map,
@@ -336,38 +257,6 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
   const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   GroupedReadsKernel<<<grid, kThreads, smem, stream>>>(d, groups, segments, kind, M, lay, a, v, g,
                                                        w, out_p, out_r, out_v, assign_p);
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchSmatTabulate(int64_t batch_heads, int64_t W, int64_t g_in, int64_t g_out,
-                               const int32_t* offsets, const int32_t* items, int64_t entries,
-                               const float* in, float* out, cudaStream_t stream) {
-  if (batch_heads == 0 || g_out == 0 || W == 0) return cudaSuccess;
-  // The column-tile kernel when a tile of `in` fits one block's shared memory
-  // (d = 3 at T = 524288: g_in = 4489 profiles, 144 KB).
-  int device = 0, smem_limit = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
-  const int64_t smem = static_cast<int64_t>(sizeof(float)) * kTabCols * g_in;
-  if (g_in > 0 && smem <= smem_limit) {
-    // Four columns per thread for long lists: H200, T = 524288, 8 heads, r = dv
-    // = 64: d = 3 (67 entries per list) Tabulate 6.42 -> 4.91 ms, but d = 2 (one
-    // entry) 0.07 -> 0.12 ms.
-    auto kernel = entries >= 4 * g_out ? TabulateColumnsKernel<4> : TabulateColumnsKernel<1>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-    const dim3 tiles(static_cast<unsigned>((W + kTabCols - 1) / kTabCols),
-                     static_cast<unsigned>(batch_heads));
-    kernel<<<tiles, kTabThreads, static_cast<size_t>(smem), stream>>>(W, g_in, g_out, offsets,
-                                                                     items, in, out);
-    return cudaGetLastError();
-  }
-  const dim3 grid(static_cast<unsigned>((W + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(g_out), static_cast<unsigned>(batch_heads));
-  TabulateKernel<<<grid, kThreads, 0, stream>>>(W, g_in, g_out, offsets, items, in, out);
   return cudaGetLastError();
 }
 
