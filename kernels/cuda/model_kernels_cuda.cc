@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_scratch.h"
 #include "kernels/cuda/model_kernels_kernels.h"
 #include "kernels/model_kernels_check.h"
 
@@ -29,29 +30,6 @@ static_assert(static_cast<int>(CudaFeatureMap::kEluPlusOne) ==
                       static_cast<int>(FeatureMap::kReluEps) &&
                   kCudaReluFeatureFloor == kReluFeatureFloor,
               "model_kernels_kernels.h is out of date");
-
-// Stream-ordered scratch memory, freed on the stream when it goes out of scope.
-class Scratch {
- public:
-  explicit Scratch(cudaStream_t s) : stream_(s) {}
-  ~Scratch() {
-    for (void* p : ptrs_) cudaFreeAsync(p, stream_);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <typename T>
-  absl::StatusOr<T*> Get(int64_t count) {
-    void* p = nullptr;
-    SMAT_CUDA_RETURN_IF_ERROR(
-        cudaMallocAsync(&p, std::max<int64_t>(1, count) * sizeof(T), stream_));
-    ptrs_.push_back(p);
-    return static_cast<T*>(p);
-  }
-
- private:
-  cudaStream_t stream_;
-  std::vector<void*> ptrs_;
-};
 
 const float* F32(const Tensor& t) { return static_cast<const float*>(t.raw()); }
 float* F32(Tensor& t) { return static_cast<float*>(t.raw()); }
@@ -93,7 +71,7 @@ class CudaModelKernels final : public ModelKernels {
     if (N == 0 || W == 0) return absl::OkStatus();
     size_t bytes = 0;
     SMAT_CUDA_RETURN_IF_ERROR(EmbeddingBackwardScratchBytes(N, V, &bytes));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(char* buffer, scratch.Get<char>(static_cast<int64_t>(bytes)));
     return CudaStatus(
         LaunchEmbeddingBackward(I32(ids), F32(d_out), F32(d_table), N, W, V, buffer, bytes, s),
@@ -122,7 +100,7 @@ class CudaModelKernels final : public ModelKernels {
     }
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     // dx may overwrite x: each element of x is read before it is written.
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials, scratch.Get<float>(RmsNormBackwardPartials(N, W) * W));
     return CudaStatus(LaunchRmsNormBackward(F32(x), F32(weight), F32(rstd), F32(dy), nullptr,
                                             F32(dx), F32(d_weight), partials, N, W, s),
@@ -147,7 +125,7 @@ class CudaModelKernels final : public ModelKernels {
                                                                dx, d_weight, device()));
     const auto [N, W] = nw;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials, scratch.Get<float>(RmsNormBackwardPartials(N, W) * W));
     return CudaStatus(LaunchRmsNormBackward(F32(x), F32(weight), F32(rstd), F32(dy),
                                             F32(d_residual), F32(dx), F32(d_weight), partials, N,
@@ -298,7 +276,7 @@ class CudaModelKernels final : public ModelKernels {
       return absl::InvalidArgumentError("ShortConvBackward: dx may not alias dy or x");
     }
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials,
                           scratch.Get<float>(ShortConvBackwardPartials(nb, L) * K * C));
     return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), nullptr,
@@ -318,7 +296,7 @@ class CudaModelKernels final : public ModelKernels {
       return absl::InvalidArgumentError("ShortConvSoftplusBackward: dx may not alias dy or x");
     }
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials,
                           scratch.Get<float>(ShortConvBackwardPartials(nb, L) * K * C));
     return CudaStatus(LaunchShortConvBackward(F32(x), F32(prefix), F32(w), F32(dy), F32(z),
@@ -346,7 +324,7 @@ class CudaModelKernels final : public ModelKernels {
                           CheckNarrowLinearBackward(x, w, dy, dx, d_w, d_bias, device()));
     const auto [N, in, out] = d;
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* partials,
                           scratch.Get<float>(NarrowLinearPartials(N) * out * (in + 1)));
     return CudaStatus(LaunchNarrowLinearBackward(
@@ -369,7 +347,7 @@ class CudaModelKernels final : public ModelKernels {
     SMAT_RETURN_IF_ERROR(CheckIndices(targets, &weights, V, s, "CrossEntropyForward: target",
                                       "; check model.vocab_size against the data"));
     const int64_t rows = std::min(chunk_tokens, std::max<int64_t>(N, 1));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* logits_buffer, scratch.Get<float>(rows * V));  // [chunk, V]
     SMAT_ASSIGN_OR_RETURN(double* terms, scratch.Get<double>(N));              // [N]
     SMAT_ASSIGN_OR_RETURN(double* total, scratch.Get<double>(1));
@@ -405,7 +383,7 @@ class CudaModelKernels final : public ModelKernels {
     SMAT_RETURN_IF_ERROR(CheckIndices(targets, &weights, V, s, "CrossEntropyBackward: target",
                                       "; check model.vocab_size against the data"));
     const int64_t rows = std::min(chunk_tokens, std::max<int64_t>(N, 1));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* logits_buffer, scratch.Get<float>(rows * V));  // [chunk, V]
     for (int64_t i0 = 0; i0 < N; i0 += rows) {
       const int64_t m = std::min(rows, N - i0);
@@ -464,7 +442,7 @@ class CudaModelKernels final : public ModelKernels {
     int64_t blocks = 0;
     for (const Tensor& t : tensors) blocks += SumOfSquaresBlocks(t.numel());
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(double* partials, scratch.Get<double>(blocks));  // in tensor order
     SMAT_ASSIGN_OR_RETURN(double* total, scratch.Get<double>(1));
     int64_t offset = 0;
@@ -497,7 +475,7 @@ class CudaModelKernels final : public ModelKernels {
                             const char* what, const char* hint) {
     const int64_t n = ids.numel();
     if (n == 0) return absl::OkStatus();
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(unsigned long long* first_bad, scratch.Get<unsigned long long>(1));
     SMAT_CUDA_RETURN_IF_ERROR(LaunchFirstBadIndex(I32(ids),
                                                   weights != nullptr ? F32(*weights) : nullptr, n,

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_scratch.h"
 #include "kernels/cuda/smat_cuda_args.h"
 #include "kernels/cuda/smat_cuda_groups.h"
 #include "kernels/cuda/smat_cuda_kernels.h"
@@ -34,7 +35,6 @@ using cuda_groups::IncidenceCache;
 using cuda_groups::IncidenceLists;
 using cuda_groups::ReadSegmentsFor;
 using cuda_groups::RecentGroups;
-using cuda_groups::Scratch;
 using cuda_groups::SegmentsFor;
 
 class CudaSmatKernels final : public SmatKernels {
@@ -99,7 +99,7 @@ class CudaSmatKernels final : public SmatKernels {
     const int64_t P = plan.geo.P;
     SMAT_RETURN_IF_ERROR(args_.CheckOut(F, {d.batch, d.H, P, d.r, d.p}, "F"));
     SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     const int64_t end = span.distant_end(plan) - span.t0;  // local distant part [0, end)
     SMAT_ASSIGN_OR_RETURN(SmatTokenGroups groups,
                           GroupTokens(d, prof, 0, end, P, span.t0 % P, &scratch, s));
@@ -175,7 +175,7 @@ class CudaSmatKernels final : public SmatKernels {
       assign = false;
     }
     if (!reads) return absl::OkStatus();
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SmatTokenGroups groups;
     SmatTokenWeights w;
     SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
@@ -240,7 +240,7 @@ class CudaSmatKernels final : public SmatKernels {
     }
     // Otherwise the chunk tile writes ybar to scratch and the division adds
     // the reads.
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* ybar,
                           scratch.Get<float>(static_cast<int64_t>(d.batch) * d.L * d.H * d.p));
     SMAT_ASSIGN_OR_RETURN(int tile, ChunkTile(d, false));
@@ -330,7 +330,7 @@ class CudaSmatKernels final : public SmatKernels {
       return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
                         "TypeReadsBackward cudaMemsetAsync");
     }
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SmatTokenGroups groups;
     SmatTokenWeights w;
     SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
@@ -412,7 +412,7 @@ class CudaSmatKernels final : public SmatKernels {
     const int64_t end = span.distant_end(plan) - span.t0;
     if (end <= 0) return absl::OkStatus();
     SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(SmatTokenGroups groups,
                           GroupTokens(d, prof, 0, end, P, span.t0 % P, &scratch, s));
     SmatTokenWeights w{F32(lam), F32(chunk_decay), nullptr, F32(distant_tail_decay), true};
@@ -505,7 +505,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(suffix_in, {d.batch, d.H}, "suffix_in"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(logg_bar, {d.batch, d.L, d.H}, "logg_bar"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(span_sum, {d.batch, d.H}, "span_sum"));
-    Scratch scratch(s);
+    CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* dlam, scratch.Get<float>(SmatLogDecayBackwardScratch(d)));
     return CudaStatus(LaunchSmatLogDecayBackward(d, psi.raw(), F32(psi_bar), F32(dlam_row),
                                                  F32(suffix_in), dlam, F32(logg_bar),
@@ -538,7 +538,7 @@ class CudaSmatKernels final : public SmatKernels {
   // matrix is written, zeros for empty groups.
   absl::Status GroupedSum(const SmatCudaDims& d, const SmatTokenGroups& groups, int64_t len,
                           const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
-                          const SmatMatrixLayout& lay, float* out, Scratch* scratch,
+                          const SmatMatrixLayout& lay, float* out, CudaScratch* scratch,
                           cudaStream_t s, const char* what) {
     const int segments = SegmentsFor(len, groups.num_groups);
     if (segments == 1) {

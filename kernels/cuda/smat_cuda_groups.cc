@@ -107,8 +107,8 @@ int ReadSegmentsFor(const SmatTokenGroups& g, SmatReadKind kind) {
 }
 
 absl::StatusOr<SmatTokenGroups> GroupTokens(const SmatCudaDims& d, const Tensor& map, int64_t begin,
-                                            int64_t end, int64_t G, int64_t phase, Scratch* scratch,
-                                            cudaStream_t s) {
+                                            int64_t end, int64_t G, int64_t phase,
+                                            CudaScratch* scratch, cudaStream_t s) {
   SmatTokenGroups g;
   g.num_groups = static_cast<int>(G);
   g.begin = begin;
@@ -134,7 +134,7 @@ absl::StatusOr<SmatTokenGroups> GroupTokens(const SmatCudaDims& d, const Tensor&
 
 absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const SmatCudaDims& d,
                           const Tensor& lam, const Tensor& chunk_decay, const Tensor& recent_offset,
-                          const Tensor& type, Scratch* scratch, cudaStream_t s,
+                          const Tensor& type, CudaScratch* scratch, cudaStream_t s,
                           SmatTokenGroups* groups, SmatTokenWeights* w) {
   const int64_t B = plan.geo.B;
   SMAT_RETURN_IF_ERROR(CheckGroups(B, "types (B)"));
@@ -149,7 +149,7 @@ absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const Smat
 }
 
 absl::StatusOr<const float*> ChunkOffsets(const SmatCudaDims& d, const float* chunk_decay,
-                                          Scratch* scratch, cudaStream_t s) {
+                                          CudaScratch* scratch, cudaStream_t s) {
   SMAT_ASSIGN_OR_RETURN(float* off,
                         scratch->Get<float>(static_cast<int64_t>(d.batch) * d.Lc * d.H));
   SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatChunkOffsets(d, chunk_decay, off, s));

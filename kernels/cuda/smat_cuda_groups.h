@@ -1,8 +1,8 @@
-// Span geometry of the CUDA SMat phases (smat_cuda.cc): stream-ordered scratch
-// memory, how many segments a group's tokens are cut into, the token groups of
-// a part of the span (content lists or a positional progression), the chunk
-// offsets of the gates, and the incidence lists of Algorithm 2 on the device,
-// built once per geometry and kept (IncidenceCache).
+// Span geometry of the CUDA SMat phases (smat_cuda.cc): how many segments a
+// group's tokens are cut into, the token groups of a part of the span
+// (content lists or a positional progression), the chunk offsets of the
+// gates, and the incidence lists of Algorithm 2 on the device, built once per
+// geometry and kept (IncidenceCache). Scratch memory: cuda_scratch.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -19,6 +19,7 @@
 #include "core/geometry.h"
 #include "core/tensor.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_scratch.h"
 #include "kernels/cuda/smat_cuda_kernels.h"
 #include "kernels/smat_kernels.h"
 
@@ -37,27 +38,6 @@ constexpr int64_t kTokensPerSegment = 256;
 constexpr int64_t kTokensPerReadSegment = 1024;
 constexpr int64_t kMaxSegments = 4096;
 constexpr int64_t kMaxGridY = 65535;
-
-// Stream-ordered scratch memory, freed on the stream when it goes out of scope.
-class Scratch {
- public:
-  explicit Scratch(cudaStream_t s) : stream_(s) {}
-  ~Scratch() {
-    for (void* p : ptrs_) cudaFreeAsync(p, stream_);
-  }
-  template <typename T>
-  absl::StatusOr<T*> Get(int64_t count) {
-    void* p = nullptr;
-    SMAT_CUDA_RETURN_IF_ERROR(
-        cudaMallocAsync(&p, std::max<int64_t>(1, count) * sizeof(T), stream_));
-    ptrs_.push_back(p);
-    return static_cast<T*>(p);
-  }
-
- private:
-  cudaStream_t stream_;
-  std::vector<void*> ptrs_;
-};
 
 // Incidence lists of one geometry in CSR form (Algorithm 2 and its adjoint).
 struct IncidenceLists {
@@ -102,21 +82,21 @@ int ReadSegmentsFor(const SmatTokenGroups& g, SmatReadKind kind);
 // Groups of the local tokens [begin, end): content lists when `map` is
 // defined, else the positional progression with period G and `phase`.
 absl::StatusOr<SmatTokenGroups> GroupTokens(const SmatCudaDims& d, const Tensor& map, int64_t begin,
-                                            int64_t end, int64_t G, int64_t phase, Scratch* scratch,
-                                            cudaStream_t s);
+                                            int64_t end, int64_t G, int64_t phase,
+                                            CudaScratch* scratch, cudaStream_t s);
 
 // The recent part of the span grouped by type (positional when `type` is
 // undefined: token t has type (t - n) mod B), with the read gates
 // exp(recent_offset + (sum of logg over [recent_begin, t])).
 absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const SmatCudaDims& d,
                           const Tensor& lam, const Tensor& chunk_decay, const Tensor& recent_offset,
-                          const Tensor& type, Scratch* scratch, cudaStream_t s,
+                          const Tensor& type, CudaScratch* scratch, cudaStream_t s,
                           SmatTokenGroups* groups, SmatTokenWeights* w);
 
 // The gates' chunk offsets off [batch, Lc, H] (SmatTokenWeights::off, from
 // LaunchSmatChunkOffsets) in scratch memory.
 absl::StatusOr<const float*> ChunkOffsets(const SmatCudaDims& d, const float* chunk_decay,
-                                          Scratch* scratch, cudaStream_t s);
+                                          CudaScratch* scratch, cudaStream_t s);
 
 }  // namespace cuda_groups
 }  // namespace smat
