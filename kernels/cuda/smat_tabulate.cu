@@ -30,33 +30,6 @@ using cuda_detail::kThreads;
 
 // ---- from the incidence lists ---------------------------------------------------------
 
-// A column tile of a block's input: tab[i kCols + c] = src[from(i) W + c]
-// for rows i < n_rows, columns c < nc (0 for nc <= c < kCols), from(i) =
-// map[i] where a map is given, else i. A row's columns are read together;
-// kUnroll loads in flight per thread.
-template <int kCols, int kBlockThreads>
-__device__ __forceinline__ void StageColumnTile(const float* __restrict__ src, int64_t W,
-                                                int64_t n_rows, int nc,
-                                                const int32_t* __restrict__ map, float* tab) {
-  const int64_t total = n_rows * kCols;
-  constexpr int kUnroll = 8;
-  for (int64_t e0 = threadIdx.x; e0 < total; e0 += kBlockThreads * kUnroll) {
-    float x[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t e = e0 + u * kBlockThreads, row = e / kCols;
-      const int c = static_cast<int>(e % kCols);
-      const int64_t from = e < total ? (map != nullptr ? __ldg(&map[row]) : row) : 0;
-      x[u] = e < total && c < nc ? __ldg(&src[from * W + c]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t e = e0 + u * kBlockThreads;
-      if (e < total) tab[e] = x[u];
-    }
-  }
-}
-
 // grid (ceil(W / 256), g_out, batch_heads).
 __global__ void TabulateKernel(int64_t W, int64_t g_in, int64_t g_out,
                                const int32_t* __restrict__ offsets,
@@ -87,7 +60,23 @@ __global__ void __launch_bounds__(kTabThreads)
   extern __shared__ float tab[];  // [g_in][kTabCols]
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTabCols, bh = blockIdx.y;
   const int nc = static_cast<int>(cuda_detail::Min64(kTabCols, W - w0));
-  StageColumnTile<kTabCols, kTabThreads>(in + bh * g_in * W + w0, W, g_in, nc, nullptr, tab);
+  const float* base = in + bh * g_in * W + w0;
+  const int64_t total = g_in * kTabCols;
+  constexpr int kUnroll = 8;  // loads in flight per thread
+  for (int64_t e0 = threadIdx.x; e0 < total; e0 += kTabThreads * kUnroll) {
+    float x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t e = e0 + u * kTabThreads;
+      const int c = static_cast<int>(e & (kTabCols - 1));
+      x[u] = e < total && c < nc ? __ldg(&base[(e / kTabCols) * W + c]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t e = e0 + u * kTabThreads;
+      if (e < total) tab[e] = x[u];
+    }
+  }
   __syncthreads();
   // kColsPerThread = 4: a thread sums four of the tile's columns of one
   // output, each list entry one 16-byte shared-memory load, so a warp
@@ -165,9 +154,24 @@ __global__ void __launch_bounds__(kPlaneThreads)
   const float* src = in + bh * n_in * W + w0;
   float* tab = reinterpret_cast<float*>(tab4);
 
-  // The adjoint's rows in flat order (row f from type flat_to_type[f]).
-  StageColumnTile<kPlaneCols, kPlaneThreads>(src, W, n_in, nc, kAdjoint ? flat_to_type : nullptr,
-                                             tab);
+  // Stage: element e = row kPlaneCols + c (a row's columns read together);
+  // the adjoint's rows in flat order (row f from type flat_to_type[f]).
+  const int total = n_in * kPlaneCols;
+  constexpr int kUnroll = 8;  // loads in flight per thread
+  for (int e0 = threadIdx.x; e0 < total; e0 += kPlaneThreads * kUnroll) {
+    float x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int e = e0 + u * kPlaneThreads, row = e / kPlaneCols, c = e % kPlaneCols;
+      const int from = e < total ? (kAdjoint ? __ldg(&flat_to_type[row]) : row) : 0;
+      x[u] = e < total && c < nc ? __ldg(&src[static_cast<int64_t>(from) * W + c]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int e = e0 + u * kPlaneThreads;
+      if (e < total) tab[e] = x[u];
+    }
+  }
   __syncthreads();
 
   const float4* t = tab4;
