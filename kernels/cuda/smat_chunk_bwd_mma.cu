@@ -332,7 +332,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
-  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  const TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
   if (kFull) vec_in = true;
   const int64_t crow = ChunkRow(d, b, k, h);
 

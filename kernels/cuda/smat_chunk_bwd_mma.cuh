@@ -21,6 +21,7 @@ using namespace mma_tiles;  // NOLINT: the tensor-core pieces are this file's vo
 constexpr int kThreads = 256;
 constexpr int kC = 128;          // chunk tokens held
 constexpr int kW = 64;           // widest r or dv
+static_assert(kW == mma_tiles::kTileWidth, "kFull means the widest tile");
 constexpr int kLd = 72;          // bf16 row pitch of every staged tile
 constexpr int kTile = kC * kLd;  // bf16 elements of one staged tile
 // Shared memory: phi, psi, v, gbar parts 1, 2, 3 (bf16 [kC][kLd] each), then
@@ -44,12 +45,11 @@ __device__ __forceinline__ float* SmemTokens() {
 // What every warp of a block shares. The per-token arrays are at fixed
 // shared-memory offsets (no registers): gcol = gbar[:, dv], lam, wq = exp(lam),
 // wk = w_s, [kC] each; then scol = S_in[:, dv] and dcol = D_bar[:, dv] ([kW],
-// 0 for rows >= r). kFull: r = dv = kW, the staged rows 16-byte aligned and
-// the outputs 8-byte aligned (the models' and the benchmark's case), so that
-// the widths and the pair stores are constants: the width tests of the loops
-// and stores fold away. Otherwise the launch's values.
+// 0 for rows >= r). kFull: r = dv = kW (mma_tiles::TileWidths), the staged
+// rows 16-byte aligned and the outputs 8-byte aligned, so that the pair
+// stores are constant too.
 template <bool kFull>
-struct Block {
+struct Block : mma_tiles::TileWidths<kFull> {
   __device__ const float* gcol() const { return SmemTokens(); }
   __device__ const float* lam() const { return SmemTokens() + kC; }
   __device__ const float* wq() const { return SmemTokens() + 2 * kC; }
@@ -60,13 +60,7 @@ struct Block {
   __device__ const float* cf() const { return SmemTokens() + 5 * kC + 2 * kW; }
   __device__ const float* bb() const { return SmemTokens() + 6 * kC + 2 * kW; }
   int ce, nb;
-  int r_, dv_;              // the launch's r and dv (not kFull)
   bool pairs_r_, pairs_v_;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
-  __device__ int r() const { return kFull ? kW : r_; }
-  __device__ int dv() const { return kFull ? kW : dv_; }
-  __device__ int p() const { return dv() + 1; }
-  __device__ int kd() const { return (dv() + 15) >> 4; }  // 16-wide k-steps over dv
-  __device__ int kr() const { return (r() + 15) >> 4; }   // and over r
   __device__ bool pairs_r() const { return kFull || pairs_r_; }
   __device__ bool pairs_v() const { return kFull || pairs_v_; }
   int lane, g, tq;

@@ -65,6 +65,7 @@ using namespace mma_tiles;  // NOLINT: the tensor-core pieces are this file's vo
 constexpr int kThreads = 256;
 constexpr int kC = 128;           // chunk tokens held
 constexpr int kW = 64;            // widest r or dv
+static_assert(kW == kTileWidth, "kFull means the widest tile");
 constexpr int kLd = 72;           // bf16 row pitch of every staged tile
 constexpr int kTile = kC * kLd;   // a token tile
 constexpr int kPlane = kW * kLd;  // a plane of S_in
@@ -90,21 +91,13 @@ struct Outputs {
   float* den;        // [batch, L, H]
 };
 
-// kFull: r = dv = kW (the models' and the benchmark's widths) and 16-byte
-// aligned rows, so that the widths below are constants: the loops over them
-// unroll without bounds checks and the row tests fold away. Otherwise the
-// launch's widths.
+// kFull: r = dv = kW and 16-byte aligned rows (mma_tiles::TileWidths).
 template <bool kFull>
-struct Block {
+struct Block : TileWidths<kFull> {
   __nv_bfloat16* base;
   int ce, nb;
-  int r_, dv_;  // the launch's r and dv (not kFull)
   int g, tq;
   int off_a, off_bn, off_bt;  // ldmatrix lane offsets (see smat_chunk_bwd_mma.cu)
-  __device__ int r() const { return kFull ? kW : r_; }
-  __device__ int dv() const { return kFull ? kW : dv_; }
-  __device__ int p() const { return dv() + 1; }
-  __device__ int kr() const { return (r() + 15) >> 4; }  // 16-wide k-steps over r
   __device__ const float* lam() const { return reinterpret_cast<const float*>(base + kOffTokens); }
   __device__ const float* wq() const { return lam() + kC; }
   // kNorm: the left halves of the rows and the normalisers' reciprocals.
@@ -329,7 +322,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
-  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  const TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
   if (kFull) vec_in = true;
   const int64_t tok = TokenRow(d, b, c0, h);
   const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;

@@ -96,6 +96,23 @@ __device__ __forceinline__ void StageBf16Rows(const __nv_bfloat16* src, int64_t 
   }
 }
 
+// The widths of a tile kernel: r, dv (p = dv + 1) and their 16-wide
+// k-steps. kFull: r = dv = kTileWidth (the models' and the benchmark's
+// widths, with the rows aligned) as compile-time constants, so that the loops
+// over them unroll without bounds checks and the width tests fold away
+// (Nsight Compute had counted integer instructions and branches at about 40%
+// of these kernels' with the launch's widths); otherwise the launch's values.
+constexpr int kTileWidth = 64;
+template <bool kFull>
+struct TileWidths {
+  int r_ = 0, dv_ = 0;  // the launch's r and dv (not kFull)
+  __device__ int r() const { return kFull ? kTileWidth : r_; }
+  __device__ int dv() const { return kFull ? kTileWidth : dv_; }
+  __device__ int p() const { return dv() + 1; }
+  __device__ int kr() const { return (r() + 15) >> 4; }   // k-steps over r
+  __device__ int kd() const { return (dv() + 15) >> 4; }  // and over dv
+};
+
 // c += a b for one m16n8k16 tile.
 __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                     uint32_t b1) {

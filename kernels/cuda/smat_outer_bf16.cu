@@ -118,8 +118,8 @@ __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, co
 // from bf16 v; 3: b = gbar (fp32, width p). With three parts of either, three
 // blocks per SM (74 KB each; 80 registers, so the staging keeps 8 loads in
 // flight, not 12): ChunkStateGradients 1.59 -> 1.44 ms against two blocks per
-// SM (H200, bf16, r = dv = 64, T = 524288, 8 heads). kFull: r = dv = 64, so
-// that the widths are constants (as in the chunk tiles' Block<kFull>):
+// SM (H200, bf16, r = dv = 64, T = 524288, 8 heads). kFull: r = dv = 64 as
+// constants (mma_tiles::TileWidths):
 // ChunkSummaries 0.53 -> 0.49 ms, ProfilePooling 0.33 -> 0.31 ms,
 // ChunkStateGradients 1.39 -> 1.23 ms.
 template <int kAParts, int kBParts, bool kFull>
@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kThreads, kAParts == 1 && kBParts == 1 ? 4 : 3
   float* wts = reinterpret_cast<float*>(rows + kC);  // token weights (kAParts 3)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const cuda_detail::GroupBlock blk(groups, d, segments);
-  const int r = kFull ? 64 : d.r, dv = kFull ? 64 : d.dv, p = dv + 1;
+  const mma_tiles::TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
   const int bw = kBParts == 1 ? dv : p;  // b columns staged per token
 
   // Columns no staging writes: a's r.., b's bw.. are zero, except vbar's ones
@@ -193,7 +194,7 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
                    const SmatMatrixLayout& lay, float* out, cudaStream_t stream) {
   // The weighted kernel (kAParts 3) keeps the launch's widths: with them as
   // constants it spills more (32 bytes against 16).
-  const bool full = kAParts == 1 && d.r == 64 && d.dv == 64;
+  const bool full = kAParts == 1 && d.r == mma_tiles::kTileWidth && d.dv == mma_tiles::kTileWidth;
   auto kernel = full ? OuterSumBf16Kernel<kAParts, kBParts, kAParts == 1>
                      : OuterSumBf16Kernel<kAParts, kBParts, false>;
   constexpr int kSmem = SmemBytes(kAParts, kBParts);

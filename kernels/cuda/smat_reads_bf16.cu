@@ -77,6 +77,7 @@ using mma_tiles::SmemAddr;
 constexpr int kThreads = 256;
 constexpr int kC = 128;                        // tokens staged at a time
 constexpr int kW = 64;                         // widest r or dv
+static_assert(kW == mma_tiles::kTileWidth, "kFull means the widest tile");
 constexpr int kLdT = outer_tile::kLd;          // bf16 pitch of a token plane (144 bytes)
 constexpr int kTokPlane = outer_tile::kPlane;  // bf16 elements of a token plane
 static_assert(kC == outer_tile::kC, "token planes are staged as the outer sums stage them");
@@ -284,8 +285,7 @@ __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float 
 }
 
 // GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kRead).
-// kFull: r = dv = kW, so that the widths are constants (their loops unroll
-// without bounds checks, as in the chunk tiles' Block<kFull>).
+// kFull: r = dv = kW as constants (mma_tiles::TileWidths).
 template <SmatReadKind kRead, bool kFull>
 __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
                                             : kRead == SmatReadKind::kBoth ? 3
@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
   float* gcol = w + kC;
   const cuda_detail::GroupBlock blk(groups, d, segments);
   if (blk.lo >= blk.hi) return;  // uniform over the block
-  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  const mma_tiles::TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kPlanes = TokenPlanes(kRead);
 
@@ -414,7 +415,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* w = reinterpret_cast<float*>(rows + kC);
   float* gcol = w + kC;
   const cuda_detail::GroupBlock blk(groups, d, segments);
-  const int r = kFull ? kW : d.r, dv = kFull ? kW : d.dv, p = dv + 1;
+  const mma_tiles::TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // Columns no staging writes: phi's r.., wg's p.. .
