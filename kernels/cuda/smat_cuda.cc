@@ -123,17 +123,8 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckF32(F, F.shape(), "F"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(U, {F.dim(0), F.dim(1), g.B, F.dim(3), F.dim(4)}, "U"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.B, "types (B)"));
-    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, incidence_.Get(g));
-    if (g.D == 2 && SmatTabulatePlaneFits(g.q)) {
-      return CudaStatus(LaunchSmatTabulatePlane(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.q,
-                                                lists->flat_to_type, lists->inverses,
-                                                /*adjoint=*/false, F32(F), F32(U), s),
-                        "Tabulate kernel");
-    }
-    return CudaStatus(LaunchSmatTabulate(F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), g.P, g.B,
-                                         lists->type_offsets, lists->type_points, lists->entries,
-                                         F32(F), F32(U), s),
-                      "Tabulate kernel");
+    return TabulateOnDevice(g, /*adjoint=*/false, F.dim(0) * F.dim(1), F.dim(3) * F.dim(4), F32(F),
+                            F32(U), s);
   }
 
   absl::Status ChunkOutputs(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
@@ -380,18 +371,8 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOut(
         F_bar, {U_bar.dim(0), U_bar.dim(1), g.P, U_bar.dim(3), U_bar.dim(4)}, "F_bar"));
     SMAT_RETURN_IF_ERROR(CheckGroups(g.P, "profiles (P)"));
-    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, incidence_.Get(g));
-    if (g.D == 2 && SmatTabulatePlaneFits(g.q)) {
-      return CudaStatus(
-          LaunchSmatTabulatePlane(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4), g.q,
-                                  lists->flat_to_type, lists->inverses, /*adjoint=*/true,
-                                  F32(U_bar), F32(F_bar), s),
-          "TabulateBackward kernel");
-    }
-    return CudaStatus(LaunchSmatTabulate(U_bar.dim(0) * U_bar.dim(1), U_bar.dim(3) * U_bar.dim(4),
-                                         g.B, g.P, lists->point_offsets, lists->point_types,
-                                         lists->entries, F32(U_bar), F32(F_bar), s),
-                      "TabulateBackward kernel");
+    return TabulateOnDevice(g, /*adjoint=*/true, U_bar.dim(0) * U_bar.dim(1),
+                            U_bar.dim(3) * U_bar.dim(4), F32(U_bar), F32(F_bar), s);
   }
 
   absl::Status ProfilePoolingBackward(const SmatPlan& plan, const SmatSpan& span,
@@ -532,6 +513,25 @@ class CudaSmatKernels final : public SmatKernels {
           " bytes; use a smaller chunk (e.g. 64)"));
     }
     return tile;
+  }
+
+  // Algorithm 2 (U = C F) or its adjoint (F_bar = C^T U_bar) for bh rows of W
+  // floats: from the plane's geometry for d = 3 where its tile fits, else
+  // from the incidence lists.
+  absl::Status TabulateOnDevice(const SmatGeometry& g, bool adjoint, int64_t bh, int64_t W,
+                                const float* in, float* out, cudaStream_t s) {
+    SMAT_ASSIGN_OR_RETURN(const IncidenceLists* lists, incidence_.Get(g));
+    const char* what = adjoint ? "TabulateBackward kernel" : "Tabulate kernel";
+    if (g.D == 2 && SmatTabulatePlaneFits(g.q)) {
+      return CudaStatus(LaunchSmatTabulatePlane(bh, W, g.q, lists->flat_to_type, lists->inverses,
+                                                adjoint, in, out, s),
+                        what);
+    }
+    return CudaStatus(adjoint ? LaunchSmatTabulate(bh, W, g.B, g.P, lists->point_offsets,
+                                                   lists->point_types, lists->entries, in, out, s)
+                              : LaunchSmatTabulate(bh, W, g.P, g.B, lists->type_offsets,
+                                                   lists->type_points, lists->entries, in, out, s),
+                      what);
   }
 
   // Segmented grouped reduction into `out` (layout `lay`); every group's

@@ -70,18 +70,17 @@ absl::StatusOr<const IncidenceLists*> IncidenceCache::Get(const SmatGeometry& g)
   SMAT_RETURN_IF_ERROR(upload(ti, &lists.type_points));
   SMAT_RETURN_IF_ERROR(upload(po, &lists.point_offsets));
   SMAT_RETURN_IF_ERROR(upload(pi, &lists.point_types));
-  // 1 / m mod q for the plane's tabulation (q prime; q = 1 when d = 1).
-  std::vector<int32_t> inverses(std::max<int64_t>(g.q, 1), 0);
-  for (int64_t m = 1; m < g.q; ++m) {
-    for (int64_t y = 1; y < g.q; ++y) {
-      if (m * y % g.q == 1) {
-        inverses[m] = static_cast<int32_t>(y);
-        break;
-      }
+  if (g.D == 2) {
+    // The plane's tabulation (LaunchSmatTabulatePlane): the type order, and
+    // 1 / m mod q for q prime by 1 / m = -(q / m) (1 / (q mod m)).
+    std::vector<int32_t> inverses(g.q, 0);
+    if (g.q > 1) inverses[1] = 1;
+    for (int64_t m = 2; m < g.q; ++m) {
+      inverses[m] = static_cast<int32_t>((g.q - (g.q / m) * inverses[g.q % m] % g.q) % g.q);
     }
+    SMAT_RETURN_IF_ERROR(upload(g.flat_to_type, &lists.flat_to_type));
+    SMAT_RETURN_IF_ERROR(upload(inverses, &lists.inverses));
   }
-  SMAT_RETURN_IF_ERROR(upload(g.flat_to_type, &lists.flat_to_type));
-  SMAT_RETURN_IF_ERROR(upload(inverses, &lists.inverses));
   return &lists_.emplace(key, lists).first->second;
 }
 

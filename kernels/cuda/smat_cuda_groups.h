@@ -46,7 +46,8 @@ struct IncidenceLists {
   int32_t* point_offsets = nullptr;  // [P + 1]
   int32_t* point_types = nullptr;    // types through each point, by direction
   int64_t entries = 0;               // incidences: the length of either item list
-  // For the tabulation from the geometry (d = 3, LaunchSmatTabulatePlane):
+  // For the tabulation from the geometry (d = 3, LaunchSmatTabulatePlane;
+  // null for other d):
   int32_t* flat_to_type = nullptr;  // [B], SmatGeometry::flat_to_type
   int32_t* inverses = nullptr;      // [q]: 1 / m mod q (inverses[0] = 0)
 };
