@@ -342,26 +342,32 @@ __global__ void __launch_bounds__(kThreads, 2)
   StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, stride_r, r, ce, vec_in, base + kPsi * kTile);
   StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
   {
-    // S_in[k] in three bf16 planes [kW][kLd]; zero outside r x p. All loads of
-    // a thread issue before the first use (clamped indices, no branches).
+    // S_in[k] in three bf16 planes [kW][kLd]; zero outside r x p. Thread t
+    // splits the column pairs (t % 4) + 4 j of row t / 4 (Split3, one 4-byte
+    // store per plane); all loads of a thread issue before the first use
+    // (clamped indices, no branches).
+    static_assert(kThreads == 4 * kW && kLd % 8 == 0, "four threads per row of S_in");
+    constexpr int kPairs = kLd / 8;  // column pairs per thread
     const float* S = S_in + ChunkRow(d, b, k, h) * static_cast<int64_t>(r) * p;
-    constexpr int kBatch = 18;  // kW * kLd / kThreads
-    float x[kBatch];
+    const int row = tid >> 2, pair0 = tid & 3;
+    const float* Srow = S + min(row, r - 1) * p;
+    float x[kPairs][2];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = tid + u * kThreads, row = e / kLd, n = e - row * kLd;
-      const float y = __ldg(&S[min(row, r - 1) * p + min(n, p - 1)]);
-      x[u] = row < r && n < p ? y : 0.f;
-    }
+    for (int j = 0; j < kPairs; ++j)
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = tid + u * kThreads;
-      const __nv_bfloat16 x1 = __float2bfloat16_rn(x[u]);
-      const float r1 = x[u] - __bfloat162float(x1);
-      const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
-      base[kOffS + e] = x1;
-      base[kOffS + kPlane + e] = x2;
-      base[kOffS + 2 * kPlane + e] = __float2bfloat16_rn(r1 - __bfloat162float(x2));
+      for (int c = 0; c < 2; ++c) {
+        const int n = 2 * (pair0 + 4 * j) + c;
+        const float y = __ldg(&Srow[min(n, p - 1)]);
+        x[j][c] = row < r && n < p ? y : 0.f;
+      }
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      uint32_t part[3];
+      Split3(x[j][0], x[j][1], part[0], part[1], part[2]);
+      const int e = row * kLd + 2 * (pair0 + 4 * j);
+#pragma unroll
+      for (int q = 0; q < 3; ++q)
+        *reinterpret_cast<uint32_t*>(&base[kOffS + q * kPlane + e]) = part[q];
     }
   }
   if (tid < kC) {
