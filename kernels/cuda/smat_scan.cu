@@ -114,7 +114,7 @@ __device__ __forceinline__ void BlockChunks(const SmatCudaDims& d, int blk, int6
   }
 }
 
-constexpr int kScanUnroll = 8;
+constexpr int kScanUnroll = 16;
 
 // e[u] = exp(chunk_decay) of chunk k + u (1 past k_end, or ungated), for the
 // kScanUnroll chunks a step of the scans walks; kStep -1 walks down (chunk
@@ -147,9 +147,19 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
   BlockChunks(d, blk, &k0, &k1);
   const int64_t blk_row = (static_cast<int64_t>(b) * 2 + blk) * d.H + h;
   if (w == 0) {
+    // In chunk order, kScanUnroll loads in flight at a time.
     double s = 0.0;
-    if (cd != nullptr)
-      for (int64_t k = k0; k < k1; ++k) s += cd[ChunkRow(d, b, k, h)];
+    if (cd != nullptr) {
+      for (int64_t k = k0; k < k1; k += kScanUnroll) {
+        float c[kScanUnroll];
+#pragma unroll
+        for (int u = 0; u < kScanUnroll; ++u)
+          c[u] = cd[ChunkRow(d, b, cuda_detail::Min64(k + u, k1 - 1), h)];
+#pragma unroll
+        for (int u = 0; u < kScanUnroll; ++u)
+          if (k + u < k1) s += c[u];
+      }
+    }
     span_decay[blk_row] = static_cast<float>(s);
   }
   // Threads past the state stay (no early return): the warp shares the decays.
@@ -159,7 +169,10 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
   float X = 0.f;
   // kScanUnroll chunks' loads issued before their updates: the loads do not
   // depend on the carried state, and keeping several in flight per thread is
-  // what lets this one-thread-per-element walk stream.
+  // what lets this one-thread-per-element walk stream. With 16 in flight
+  // against 8 (H200, T = 524288, d = 2, 8 heads: 17 x 8 x 2 blocks of 256
+  // threads), ChunkScan takes 0.36 ms against 0.39 and ChunkScanBackward 0.33
+  // against 0.38.
   for (int64_t k = k0; k < k1; k += kScanUnroll) {
     float e[kScanUnroll], Dk[kScanUnroll];
 #pragma unroll
