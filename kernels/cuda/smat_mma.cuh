@@ -55,6 +55,34 @@ __device__ __forceinline__ void Ldsm4T(uint32_t (&x)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// The padding columns [width, kLd) of `count` staged bf16 planes of kRows
+// rows (plane q at planes + q kRows kLd): column width gets `first`, the
+// others 0. One thread per row of a plane: no division by the pitch per
+// element, as a walk over every element of the planes (e % kLd) takes.
+// With width % 8 == 0 (planes 16-byte aligned) a row's padding goes as
+// whole 16-byte pieces, conflict-free.
+template <int kRows, int kLd, int kThreads>
+__device__ __forceinline__ void FillPadColumns(__nv_bfloat16* planes, int count, int width,
+                                               __nv_bfloat16 first) {
+  static_assert(kLd % 8 == 0, "rows of whole 16-byte pieces");
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+  if (width % 8 == 0) {
+    uint16_t bits;
+    std::memcpy(&bits, &first, sizeof(bits));
+    for (int e = threadIdx.x; e < kRows * count; e += kThreads) {
+      uint4* row = reinterpret_cast<uint4*>(planes + e * kLd);
+      for (int c = width / 8; c < kLd / 8; ++c) {
+        row[c] = make_uint4(c == width / 8 ? bits : 0u, 0u, 0u, 0u);
+      }
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < kRows * count; e += kThreads) {
+    __nv_bfloat16* row = planes + e * kLd;
+    for (int c = width; c < kLd; ++c) row[c] = c == width ? first : zero;
+  }
+}
+
 // A chunk's bf16 token rows into shared memory with a row pitch of kLd:
 // dst[t][n] = src[t * stride + n] for t < ce, n < width; 0 for the other
 // t < kRows, n < kWidth (columns kWidth..kLd-1 are left alone), by kThreads

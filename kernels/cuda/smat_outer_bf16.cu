@@ -141,17 +141,8 @@ __global__ void __launch_bounds__(kThreads, kAParts == 1 && kBParts == 1 ? 4 : 3
   // Columns no staging writes: a's r.., b's bw.. are zero, except vbar's ones
   // in column dv (a's rows past the tile's tokens are zero, so they add 0).
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.f), one = __float2bfloat16_rn(1.f);
-  for (int e = tid; e < kPlane; e += kThreads) {
-    const int c = e % kLd;
-    if (c >= r) {
-#pragma unroll
-      for (int q = 0; q < kAParts; ++q) As[q * kPlane + e] = zero;
-    }
-    if (c >= bw) {
-#pragma unroll
-      for (int q = 0; q < kBParts; ++q) Bs[q * kPlane + e] = kBParts == 1 && c == dv ? one : zero;
-    }
-  }
+  mma_tiles::FillPadColumns<kC, kLd, kThreads>(As, kAParts, r, zero);
+  mma_tiles::FillPadColumns<kC, kLd, kThreads>(Bs, kBParts, bw, kBParts == 1 ? one : zero);
 
   outer_tile::Warp<kAParts, kBParts> tile(lane, warp, As, Bs);
 

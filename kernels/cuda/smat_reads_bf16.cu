@@ -313,14 +313,11 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
   // Token columns no staging writes are zero: kVecMat's and psi's r.., v's and
   // gbar's dv.. (M's column dv must meet zeros there).
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
-  for (int e = tid; e < kTokPlane; e += kThreads) {
-    const int c = e % kLdT;
 #pragma unroll
-    for (int q = 0; q < kPlanes; ++q) {
-      const int width =
-          kRead == SmatReadKind::kVecMat || (kRead == SmatReadKind::kBoth && q == 1) ? r : dv;
-      if (c >= width) Ts[q * kTokPlane + e] = zero;
-    }
+  for (int q = 0; q < kPlanes; ++q) {
+    const int width =
+        kRead == SmatReadKind::kVecMat || (kRead == SmatReadKind::kBoth && q == 1) ? r : dv;
+    mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Ts + q * kTokPlane, 1, width, zero);
   }
 
   // This lane's ldmatrix addresses: the token planes as A (rows = tokens), M
@@ -421,14 +418,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // Columns no staging writes: phi's r.., wg's p.. .
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
-  for (int e = tid; e < kTokPlane; e += kThreads) {
-    const int c = e % kLdT;
-    if (c >= r) Ph[e] = zero;
-    if (c >= p) {
-#pragma unroll
-      for (int q = 0; q < 3; ++q) Gs[q * kTokPlane + e] = zero;
-    }
-  }
+  mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Ph, 1, r, zero);
+  mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Gs, 3, p, zero);
   outer_tile::Warp<1, 3> tile(lane, warp, Ph, Gs);
   const uint32_t a_addr = SmemAddr(Gs) + 2u * ((16 * warp + (lane & 15)) * kLdT + (lane >> 4) * 8);
   const uint32_t b_plain =
