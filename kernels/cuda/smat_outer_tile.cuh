@@ -148,39 +148,58 @@ __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__
 // fp32 rows (gbar: width p = dv + 1) in three bf16 planes dst, dst + kPlane,
 // dst + 2 kPlane (x = x1 + x2 + x3); zeros for nt <= t < kC. kWeighted:
 // w[t] x instead (each product rounded to fp32). Column dv goes to the planes
-// (kDenInPlanes) and/or to gcol[t] (kGcol). kBatch loads in flight per thread,
-// kThreads threads.
+// (kDenInPlanes) and/or to gcol[t] (kGcol). kThreads threads, 8 to a row:
+// thread i of a row takes the column pairs (2 j, 2 j + 1), j = i, i + 8, ...
+// (Split3: one 4-byte store per plane), its kBatch loads issued before their
+// first use. A pair's element past the staged columns (p, or dv without
+// kDenInPlanes) stores 0 there, as the padding is. Element by element, with a
+// division by p and three 2-byte stores each, it took TypeReadsBackward
+// about twice the instructions.
 template <bool kWeighted, bool kDenInPlanes, bool kGcol, int kBatch, int kThreads>
 __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
                                                const float* w, int dv, int nt, __nv_bfloat16* dst,
                                                float* gcol) {
-  const int p = dv + 1, total = kC * p;
-  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kBatch) {
-    float x[kBatch];
+  constexpr int kLanes = 8;  // threads to a row
+  constexpr int kRowsPerPass = kThreads / kLanes;
+  constexpr int kSlots = (kLd / 2 + kLanes - 1) / kLanes;  // pairs a thread may take in a row
+  constexpr int kItems = (kC / kRowsPerPass) * kSlots;
+  constexpr int kPairBatch = kBatch / 2 > 0 ? kBatch / 2 : 1;
+  static_assert(kThreads % kLanes == 0 && kC % kRowsPerPass == 0, "whole rows per pass");
+  const int p = dv + 1;
+  const int cols = kDenInPlanes ? p : dv;  // columns the planes take
+  const int pairs = (p + 1) / 2;           // pairs read (column dv for gcol too)
+  const int sub = threadIdx.x % kLanes, t0 = threadIdx.x / kLanes;
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
-      x[u] = e < total && t < nt ? __ldg(&src[rows[t] * p + c]) : 0.f;
+  for (int i0 = 0; i0 < kItems; i0 += kPairBatch) {
+    float x[kPairBatch][2];
+#pragma unroll
+    for (int u = 0; u < kPairBatch; ++u) {
+      const int item = i0 + u;
+      const int t = t0 + (item / kSlots) * kRowsPerPass, c = 2 * (sub + (item % kSlots) * kLanes);
+      const bool live = item < kItems && t < nt && c < 2 * pairs;
+      const float* row = src + (live ? rows[t] : 0) * p;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) x[u][e] = live && c + e < p ? __ldg(&row[c + e]) : 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * kThreads, t = e / p, c = e - t * p;
-      if (e >= total) continue;
-      const float y = kWeighted && t < nt ? w[t] * x[u] : x[u];
-      if (!kDenInPlanes || kGcol) {
-        if (c == dv) {
-          if (kGcol) gcol[t] = y;
-          if (!kDenInPlanes) continue;
-        }
+    for (int u = 0; u < kPairBatch; ++u) {
+      const int item = i0 + u;
+      const int t = t0 + (item / kSlots) * kRowsPerPass, c = 2 * (sub + (item % kSlots) * kLanes);
+      if (item >= kItems || c >= 2 * pairs) continue;
+      float y[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        y[e] = kWeighted && t < nt ? w[t] * x[u][e] : x[u][e];
+        if (kGcol && c + e == dv) gcol[t] = y[e];
+        if (c + e >= cols) y[e] = 0.f;
       }
-      const __nv_bfloat16 x1 = __float2bfloat16_rn(y);
-      const float r1 = y - __bfloat162float(x1);  // exact
-      const __nv_bfloat16 x2 = __float2bfloat16_rn(r1);
-      const __nv_bfloat16 x3 = __float2bfloat16_rn(r1 - __bfloat162float(x2));
-      __nv_bfloat16* to = dst + t * kLd + c;
-      to[0] = x1;
-      to[kPlane] = x2;
-      to[2 * kPlane] = x3;
+      if (c >= cols) continue;
+      uint32_t part[3];
+      mma_tiles::Split3(y[0], y[1], part[0], part[1], part[2]);
+      uint32_t* to = reinterpret_cast<uint32_t*>(dst + t * kLd + c);
+      to[0] = part[0];
+      to[kPlane / 2] = part[1];
+      to[kPlane] = part[2];
     }
   }
 }
