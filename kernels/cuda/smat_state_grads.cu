@@ -127,10 +127,11 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int u = 0; u < kRowBatch; ++u)
       dot[u] = pair_lane ? fmaf(g[u].y, y[u].y, g[u].x * y[u].x) : 0.f;
 #pragma unroll
-    for (int sh = 16; sh > 0; sh >>= 1)
+    for (int sh = 16; sh > 0; sh >>= 1) {
 #pragma unroll
       for (int u = 0; u < kRowBatch; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], sh);
-        // Columns 0 .. dv - 1: lane j the pair (2 j, 2 j + 1) of every row.
+    }
+    // Columns 0 .. dv - 1: lane j the pair (2 j, 2 j + 1) of every row.
 #pragma unroll
     for (int u = 0; u < kRowBatch; ++u) {
       const int m = m0 + u * kWarps;
