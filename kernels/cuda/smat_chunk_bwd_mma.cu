@@ -48,7 +48,11 @@
 // their own, added to the leading one at the end. Each output element is summed
 // in a fixed order, read, added to and written by one thread, no atomics: the
 // same inputs give the same bits, within 1e-5 of the CPU phases
-// (tests/gpu/smat_gpu_test.cc).
+// (tests/gpu/smat_gpu_test.cc). The parts are a template argument (kP):
+// SMAT_CUDA_BF16_PARTS=2 (SmatBf16SplitParts) runs two, 16 significant bits,
+// a product with two split operands 3 MMAs (5536 per chunk and head instead
+// of 8832): 5.63 -> 5.18 ms at the shape below, up to 5.8e-6 of the CPU
+// phases against 4e-7 with three.
 //
 // Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.64 ms
 // ungated and 5.94 ms gated with the widths as constants (Block<kFull>, 72 KB
@@ -84,8 +88,8 @@ using namespace mma_tiles;      // NOLINT: the tensor-core pieces are this file'
 using namespace chunk_bwd_mma;  // NOLINT: the kernel's shared pieces
 
 // phi_bar rows t of block i += the causal sum (kAssign: =).
-template <bool kGated, bool kAssign, bool kFull>
-__device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+template <bool kGated, bool kAssign, bool kFull, int kP>
+__device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
                                           int h, int64_t c0, int i, float* __restrict__ phi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r();
   float hi[8][4], lo[8][4];
@@ -110,12 +114,12 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kd()) continue;
-      uint32_t a[3][4], bv[4];
+      uint32_t a[kP][4], bv[4];
 #pragma unroll
-      for (int q = 0; q < 3; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
+      for (int q = 0; q < kP; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
       Ldsm4(bv, bk.Addr(kV, 16 * j, 16 * ks, bk.off_bn));
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) Mma3x1(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
+      for (int nt = 0; nt < 2; ++nt) MmaPx1<kP>(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
     }
     // X[t, s] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce; the mask
     // only where the tile holds pairs outside (diagonal or last block). W
@@ -142,8 +146,8 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
           sc[nt][e] *= rq[e >> 1] * bk.cf()[16 * j + 8 * nt + 2 * tq + (e & 1)];
     }
     MaskQueryTile(bk, i, j, g, tq, sc);
-    uint32_t xa[3][4];
-    SplitTile(sc, xa);
+    uint32_t xa[kP][4];
+    SplitTileParts<kP>(sc, xa);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (16 * np >= r) continue;
@@ -151,7 +155,7 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
       Ldsm4T(bp, bk.Addr(kPsi, 16 * j, 16 * np, bk.off_bt));
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2)
-        Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
+        MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r(), hi, lo, phi_bar);
@@ -160,8 +164,8 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
 // A key-row tile X^T[s, t] (rows s of block j: ls = lam_s; columns t of
 // block i >= j) times W[t, s]: the diagonal tile by an exp per element, the
 // others from mma_tiles::GateFactors' factors (rk = cf[s] bb[i][j]).
-template <bool kFull>
-__device__ __forceinline__ void GateKeyTile(const Block<kFull>& bk, int i, int j, int tq,
+template <bool kFull, int kP>
+__device__ __forceinline__ void GateKeyTile(const Block<kFull, kP>& bk, int i, int j, int tq,
                                             const float (&ls)[2], const float (&rk)[2],
                                             float (&sc)[2][4]) {
   if (j == i) {
@@ -180,8 +184,8 @@ __device__ __forceinline__ void GateKeyTile(const Block<kFull>& bk, int i, int j
 }
 
 // psi_bar rows s of block j += the causal sum (kAssign: =).
-template <bool kGated, bool kAssign, bool kFull>
-__device__ __forceinline__ void KeyRowsPsi(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+template <bool kGated, bool kAssign, bool kFull, int kP>
+__device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
                                            int h, int64_t c0, int j, float* __restrict__ psi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r();
   float hi[8][4], lo[8][4];
@@ -205,16 +209,19 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull>& bk, const SmatCud
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kd()) continue;
-      uint32_t a[4], bg[3][4];
+      uint32_t a[4], bg[kP][4];
       Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
 #pragma unroll
-      for (int q = 0; q < 3; ++q) Ldsm4(bg[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_bn));
+      for (int q = 0; q < kP; ++q) Ldsm4(bg[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_bn));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t bb[3][2] = {{bg[0][2 * nt], bg[0][2 * nt + 1]},
-                                   {bg[1][2 * nt], bg[1][2 * nt + 1]},
-                                   {bg[2][2 * nt], bg[2][2 * nt + 1]}};
-        Mma1x3(sc[nt], scl[nt], a, bb);
+        uint32_t bb[kP][2];
+#pragma unroll
+        for (int q = 0; q < kP; ++q) {
+          bb[q][0] = bg[q][2 * nt];
+          bb[q][1] = bg[q][2 * nt + 1];
+        }
+        Mma1xP<kP>(sc[nt], scl[nt], a, bb);
       }
     }
     // X^T[s, t] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce (masked as
@@ -230,8 +237,8 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull>& bk, const SmatCud
         sc[nt][e] = (sc[nt][e] + scl[nt][e]) + bk.gcol()[16 * i + 8 * nt + 2 * tq + (e & 1)];
     if (kGated) GateKeyTile(bk, i, j, tq, ls, rk, sc);
     MaskTile</*kKeyRows=*/true>(bk, i, j, g, tq, sc);
-    uint32_t xa[3][4];
-    SplitTile(sc, xa);
+    uint32_t xa[kP][4];
+    SplitTileParts<kP>(sc, xa);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (16 * np >= r) continue;
@@ -239,7 +246,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull>& bk, const SmatCud
       Ldsm4T(bp, bk.Addr(kPhi, 16 * i, 16 * np, bk.off_bt));
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2)
-        Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
+        MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r(), hi, lo, psi_bar);
@@ -247,8 +254,8 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull>& bk, const SmatCud
 
 // v_bar rows s of block j, columns [32 hf, 32 hf + 32) += the causal sum
 // (kAssign: =).
-template <bool kGated, bool kAssign, bool kFull>
-__device__ __forceinline__ void KeyRowsV(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+template <bool kGated, bool kAssign, bool kFull, int kP>
+__device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
                                          int h, int64_t c0, int j, int hf,
                                          float* __restrict__ v_bar) {
   const int g = bk.g, tq = bk.tq, dv = bk.dv();
@@ -287,30 +294,34 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull>& bk, const SmatCudaD
       GateKeyTile(bk, i, j, tq, ls, rk, sc);
     }
     MaskTile</*kKeyRows=*/true>(bk, i, j, g, tq, sc);
-    uint32_t xa[3][4];
-    SplitTile(sc, xa);
+    uint32_t xa[kP][4];
+    SplitTileParts<kP>(sc, xa);
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
       if (n0 + 16 * np >= dv) continue;
-      uint32_t bg[3][4];
+      uint32_t bg[kP][4];
 #pragma unroll
-      for (int q = 0; q < 3; ++q) Ldsm4T(bg[q], bk.Addr(kG + q, 16 * i, n0 + 16 * np, bk.off_bt));
+      for (int q = 0; q < kP; ++q) Ldsm4T(bg[q], bk.Addr(kG + q, 16 * i, n0 + 16 * np, bk.off_bt));
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        const uint32_t bb[3][2] = {{bg[0][2 * h2], bg[0][2 * h2 + 1]},
-                                   {bg[1][2 * h2], bg[1][2 * h2 + 1]},
-                                   {bg[2][2 * h2], bg[2][2 * h2 + 1]}};
-        Mma3x3(hi[2 * np + h2], lo[2 * np + h2], xa, bb);
+        uint32_t bb[kP][2];
+#pragma unroll
+        for (int q = 0; q < kP; ++q) {
+          bb[q][0] = bg[q][2 * h2];
+          bb[q][1] = bg[q][2 * h2 + 1];
+        }
+        MmaPxP<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bb);
       }
     }
   }
   StoreRows<4, kAssign>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v(), hi, lo, v_bar);
 }
 
-// grid ChunkGrid(d), kThreads threads, kSmemBytes of shared memory.
+// grid ChunkGrid(d), kThreads threads, kSmemBytes<kP> of shared memory.
 // kAssign: the outputs are written, not added to (SmatWrite::kAssign).
-// kFull: r = dv = kW, vec_in, pairs_r and pairs_v (see Block).
-template <bool kGated, bool kAssign, bool kFull>
+// kFull: r = dv = kW, vec_in, pairs_r and pairs_v (see Block). kP: the bf16
+// parts of every fp32 operand (SmatBf16SplitParts).
+template <bool kGated, bool kAssign, bool kFull, int kP>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, bool pairs_r, bool pairs_v,
                              const __nv_bfloat16* __restrict__ phi,
@@ -321,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                              float* __restrict__ phi_bar, float* __restrict__ psi_bar,
                              float* __restrict__ v_bar) {
   __nv_bfloat16* tiles = SmemTiles();
-  float* gcol = SmemTokens();
+  float* gcol = SmemTokens<kP>();
   float* lam_s = gcol + kC;
   float* wq = lam_s + kC;
   float* wk = wq + kC;
@@ -346,8 +357,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, static_cast<int64_t>(d.H) * dv, dv, ce, vec_in,
                                        tiles + kV * kTile);
   {
-    // gbar[:, 0:dv] in three parts, a column pair (n, n + 1) per thread and
-    // step (Split3, one 4-byte store per part); gcol = gbar[:, dv]. All 32
+    // gbar[:, 0:dv] in kP parts, a column pair (n, n + 1) per thread and
+    // step (SplitPair, one 4-byte store per part); gcol = gbar[:, dv]. All 32
     // loads of a thread issue before the first use (clamped indices, no
     // branches).
     const float* tg = gbar + tok * p;
@@ -367,10 +378,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int e = e0 + u * kThreads, t = e >> 5, n = 2 * (e & 31);
-        uint32_t part[3];
-        Split3(x[u][0], x[u][1], part[0], part[1], part[2]);
+        uint32_t part[kP];
+        SplitPair<kP>(x[u][0], x[u][1], part);
 #pragma unroll
-        for (int q = 0; q < 3; ++q)
+        for (int q = 0; q < kP; ++q)
           *reinterpret_cast<uint32_t*>(&tiles[(kG + q) * kTile + t * kLd + n]) = part[q];
       }
     }
@@ -396,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
   }
 
-  Block<kFull> bk;
+  Block<kFull, kP> bk;
   bk.ce = ce;
   bk.nb = (ce + 15) >> 4;
   bk.r_ = r;
@@ -431,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   SideTerms<Side::kKeyV>(bk, d, b, h, c0, w, Dk, v_bar);
 }
 
-template <bool kGated, bool kAssign>
+template <bool kGated, bool kAssign, int kP>
 cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
                         const float* lam, const float* chunk_decay, const float* S_in,
                         const float* gbar, const float* D_bar, float* phi_bar, float* psi_bar,
@@ -442,13 +453,13 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
   const bool pairs_r = d.r % 2 == 0 && aligned8(phi_bar) && aligned8(psi_bar);
   const bool pairs_v = d.dv % 2 == 0 && aligned8(v_bar);
   const bool full = d.r == kW && d.dv == kW && vec && pairs_r && pairs_v;
-  auto kernel = full ? ChunkBackwardFusedKernel<kGated, kAssign, true>
-                     : ChunkBackwardFusedKernel<kGated, kAssign, false>;
+  auto kernel = full ? ChunkBackwardFusedKernel<kGated, kAssign, true, kP>
+                     : ChunkBackwardFusedKernel<kGated, kAssign, false, kP>;
   // Two blocks per SM need the largest shared-memory carveout.
-  const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes);
+  const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes<kP>);
   if (err != cudaSuccess) return err;
   const dim3 grid = cuda_detail::ChunkGrid(d);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(
+  kernel<<<grid, kThreads, kSmemBytes<kP>, stream>>>(
       d, vec, pairs_r, pairs_v, static_cast<const __nv_bfloat16*>(phi),
       static_cast<const __nv_bfloat16*>(psi), static_cast<const __nv_bfloat16*>(v), lam,
       chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar);
@@ -459,7 +470,7 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
 
 bool SmatChunkBackwardFusedFits(const SmatCudaDims& d) {
   if (!d.bf16 || !SmatChunkFastTilesFit(d)) return false;
-  return SmatDeviceRunsMma(kSmemBytes);
+  return SmatDeviceRunsMma(kSmemBytes<3>);  // the larger of the two
 }
 
 cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const void* phi,
@@ -469,9 +480,13 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const voi
                                                 float* phi_bar, float* psi_bar, float* v_bar,
                                                 bool assign, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  const bool three = SmatBf16SplitParts() == 3;
   auto launch = [&](auto gated, auto write) {
-    return LaunchGated<decltype(gated)::value, decltype(write)::value>(
-        d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, stream);
+    constexpr bool kGated = decltype(gated)::value, kAssign = decltype(write)::value;
+    return three ? LaunchGated<kGated, kAssign, 3>(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
+                                                   D_bar, phi_bar, psi_bar, v_bar, stream)
+                 : LaunchGated<kGated, kAssign, 2>(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
+                                                   D_bar, phi_bar, psi_bar, v_bar, stream);
   };
   using Yes = std::true_type;
   using No = std::false_type;

@@ -24,22 +24,26 @@ constexpr int kW = 64;           // widest r or dv
 static_assert(kW == mma_tiles::kTileWidth, "kFull means the widest tile");
 constexpr int kLd = 72;          // bf16 row pitch of every staged tile
 constexpr int kTile = kC * kLd;  // bf16 elements of one staged tile
-// Shared memory: phi, psi, v, gbar parts 1, 2, 3 (bf16 [kC][kLd] each), then
+// Shared memory: phi, psi, v, gbar's kP parts (bf16 [kC][kLd] each), then
 // fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s, [kW]
 // arrays S_in[:, dv], D_bar[:, dv], and the gates' factors rf, cf [kC] and
 // bb [8][8] (mma_tiles::GateFactors).
 constexpr int kPhi = 0, kPsi = 1, kV = 2, kG = 3;  // tile indices
-constexpr int kTiles = 6;
 constexpr int kBlocks = kC / 16;  // 16-token blocks of a chunk
-constexpr int kSmemBytes = kTiles * kTile * 2 + (6 * kC + 2 * kW + kBlocks * kBlocks) * 4;
+// kP: the bf16 parts of every fp32 operand (2 or 3, SmatBf16SplitParts).
+template <int kP>
+constexpr int kTiles = 3 + kP;
+template <int kP>
+constexpr int kSmemBytes = kTiles<kP>* kTile * 2 + (6 * kC + 2 * kW + kBlocks * kBlocks) * 4;
 
 // The block's shared memory: bf16 tiles, then the fp32 per-token arrays.
 __device__ __forceinline__ __nv_bfloat16* SmemTiles() {
   extern __shared__ float4 smem4[];
   return reinterpret_cast<__nv_bfloat16*>(smem4);
 }
+template <int kP>
 __device__ __forceinline__ float* SmemTokens() {
-  return reinterpret_cast<float*>(SmemTiles() + kTiles * kTile);
+  return reinterpret_cast<float*>(SmemTiles() + kTiles<kP> * kTile);
 }
 
 // What every warp of a block shares. The per-token arrays are at fixed
@@ -47,18 +51,19 @@ __device__ __forceinline__ float* SmemTokens() {
 // wk = w_s, [kC] each; then scol = S_in[:, dv] and dcol = D_bar[:, dv] ([kW],
 // 0 for rows >= r). kFull: r = dv = kW (mma_tiles::TileWidths), the staged
 // rows 16-byte aligned and the outputs 8-byte aligned, so that the pair
-// stores are constant too.
-template <bool kFull>
+// stores are constant too. kP: the parts of gbar's planes and of every split
+// operand.
+template <bool kFull, int kP>
 struct Block : mma_tiles::TileWidths<kFull> {
-  __device__ const float* gcol() const { return SmemTokens(); }
-  __device__ const float* lam() const { return SmemTokens() + kC; }
-  __device__ const float* wq() const { return SmemTokens() + 2 * kC; }
-  __device__ const float* wk() const { return SmemTokens() + 3 * kC; }
-  __device__ const float* scol() const { return SmemTokens() + 4 * kC; }
-  __device__ const float* dcol() const { return SmemTokens() + 4 * kC + kW; }
-  __device__ const float* rf() const { return SmemTokens() + 4 * kC + 2 * kW; }
-  __device__ const float* cf() const { return SmemTokens() + 5 * kC + 2 * kW; }
-  __device__ const float* bb() const { return SmemTokens() + 6 * kC + 2 * kW; }
+  __device__ const float* gcol() const { return SmemTokens<kP>(); }
+  __device__ const float* lam() const { return SmemTokens<kP>() + kC; }
+  __device__ const float* wq() const { return SmemTokens<kP>() + 2 * kC; }
+  __device__ const float* wk() const { return SmemTokens<kP>() + 3 * kC; }
+  __device__ const float* scol() const { return SmemTokens<kP>() + 4 * kC; }
+  __device__ const float* dcol() const { return SmemTokens<kP>() + 4 * kC + kW; }
+  __device__ const float* rf() const { return SmemTokens<kP>() + 4 * kC + 2 * kW; }
+  __device__ const float* cf() const { return SmemTokens<kP>() + 5 * kC + 2 * kW; }
+  __device__ const float* bb() const { return SmemTokens<kP>() + 6 * kC + 2 * kW; }
   int ce, nb;
   bool pairs_r_, pairs_v_;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
   __device__ bool pairs_r() const { return kFull || pairs_r_; }
@@ -78,8 +83,8 @@ struct Block : mma_tiles::TileWidths<kFull> {
 // before the first store of its row (two memory latencies per job, not one per
 // element); pairs: width is even and out 8-byte aligned, so each (n, n + 1)
 // moves as one float2.
-template <int kNt, bool kAssign, bool kFull>
-__device__ __forceinline__ void StoreRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+template <int kNt, bool kAssign, bool kFull, int kP>
+__device__ __forceinline__ void StoreRows(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
                                           int h, int64_t c0, int m0, int n0, int width, bool pairs,
                                           float (&hi)[kNt][4], const float (&lo)[kNt][4],
                                           float* __restrict__ out) {
@@ -144,13 +149,13 @@ __device__ __forceinline__ void StoreRows(const Block<kFull>& bk, const SmatCuda
 //   psi_bar_s += w_s (sum_{k < dv} D[n][k] v_s[k] + D[n][dv])
 //   v_bar_s   += w_s sum_{k < r} psi_s[k] D[k][n]
 // kSide: which of the three. The B fragments of the warp's columns stay in
-// registers (3 parts x 4 k-steps); four 16-row blocks at a time, so that four
+// registers (kP parts x 4 k-steps); four 16-row blocks at a time, so that four
 // independent accumulator chains hide the MMA latency and the old values of
 // their rows load while the products run.
 enum class Side { kQuery, kKeyPsi, kKeyV };
 
-template <Side kSide, bool kFull>
-__device__ __forceinline__ void SideTerms(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+template <Side kSide, bool kFull, int kP>
+__device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
                                           int h, int64_t c0, int w, const float* __restrict__ M,
                                           float* __restrict__ out) {
   const int g = bk.g, tq = bk.tq;
@@ -160,7 +165,7 @@ __device__ __forceinline__ void SideTerms(const Block<kFull>& bk, const SmatCuda
   if (8 * w >= width) return;
   // B(k, n) = M[n][k] (query, key psi: k < dv) or M[k][n] (key v: k < r).
   const int ksteps = kKeyV ? bk.kr() : bk.kd();
-  uint32_t bs[4][3][2];
+  uint32_t bs[4][kP][2];
   {
     float x[4][4];
 #pragma unroll
@@ -172,7 +177,7 @@ __device__ __forceinline__ void SideTerms(const Block<kFull>& bk, const SmatCuda
       }
     }
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) SplitB(x[ks], bs[ks]);
+    for (int ks = 0; ks < 4; ++ks) SplitBParts<kP>(x[ks], bs[ks]);
   }
   const bool pairs = kKeyV ? bk.pairs_v() : bk.pairs_r();
   const int a_tile = kQuery ? kG : kKeyV ? kPsi : kV;
@@ -219,15 +224,15 @@ __device__ __forceinline__ void SideTerms(const Block<kFull>& bk, const SmatCuda
       for (int u = 0; u < 4; ++u) {
         if (i0 + u >= bk.nb) continue;
         if (kQuery) {
-          uint32_t a[3][4];
+          uint32_t a[kP][4];
 #pragma unroll
-          for (int q = 0; q < 3; ++q)
+          for (int q = 0; q < kP; ++q)
             Ldsm4(a[q], bk.Addr(kG + q, 16 * (i0 + u), 16 * ks, bk.off_a));
-          Mma3x3(hi[u], lo[u], a, bs[ks]);
+          MmaPxP<kP>(hi[u], lo[u], a, bs[ks]);
         } else {
           uint32_t a[4];
           Ldsm4(a, bk.Addr(a_tile, 16 * (i0 + u), 16 * ks, bk.off_a));
-          Mma1x3(hi[u], lo[u], a, bs[ks]);
+          Mma1xP<kP>(hi[u], lo[u], a, bs[ks]);
         }
       }
     }

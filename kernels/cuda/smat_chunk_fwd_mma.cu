@@ -47,7 +47,9 @@
 // Exactness: as smat_chunk_mma.cu (every fp32 operand in three parts, the
 // correction terms in an accumulator of their own): within 1e-5 of the CPU
 // phase; a fixed summation order and no atomics, so the same inputs give the
-// same bits (tests/gpu/smat_gpu_test.cc).
+// same bits (tests/gpu/smat_gpu_test.cc). SMAT_CUDA_BF16_PARTS=2 runs two
+// parts (kP; 2 MMAs per n-tile and term): NormalizedOutputs 1.50 -> 1.35 ms
+// at the shape above.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -110,7 +112,7 @@ struct Block : TileWidths<kFull> {
 };
 
 // Output rows of query block i, n-tiles kN0 .. kN0 + kNt - 1 (8 columns each).
-template <bool kGated, bool kNorm, int kN0, int kNt, bool kFull>
+template <bool kGated, bool kNorm, int kN0, int kNt, int kP, bool kFull>
 __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
                                           int h, int64_t c0, int i, const Outputs& out) {
   constexpr int kPairs = (kNt + 1) / 2;  // ldmatrix x4 .trans loads two n-tiles
@@ -124,9 +126,9 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
   for (int ks = 0; ks < bk.kr(); ++ks) {
     uint32_t a[4];
     Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
-    // Per accumulator the order of Mma1x3: lo += a S3, lo += a S2, hi += a S1.
+    // Per accumulator the order of Mma1xP: lo += a S3, lo += a S2, hi += a S1.
 #pragma unroll
-    for (int q = 2; q >= 0; --q) {
+    for (int q = kP - 1; q >= 0; --q) {
 #pragma unroll
       for (int np = 0; np < kPairs; ++np) {
         uint32_t bs[4];
@@ -181,8 +183,8 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
         }
     }
     MaskQueryTile(bk, i, j, g, tq, sc);
-    uint32_t xa[3][4];
-    SplitTile(sc, xa);
+    uint32_t xa[kP][4];
+    SplitTileParts<kP>(sc, xa);
 #pragma unroll
     for (int np = 0; np < kPairs; ++np) {
       uint32_t bv[4];
@@ -190,7 +192,7 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         if (2 * np + h2 >= kNt) continue;
-        Mma3x1(hi[2 * np + h2], lo[2 * np + h2], xa, bv[2 * h2], bv[2 * h2 + 1]);
+        MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bv[2 * h2], bv[2 * h2 + 1]);
       }
     }
   }
@@ -306,8 +308,10 @@ __device__ __forceinline__ void FinishLeftHalves(const Block<kFull>& bk, const S
 }
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes (kNorm: kSmemNormBytes)
-// of shared memory. kFull: r = dv = kW and vec_in (see Block).
-template <bool kGated, bool kNorm, bool kFull>
+// of shared memory. kFull: r = dv = kW and vec_in (see Block). kP: the bf16
+// parts of S_in and of the score tiles (SmatBf16SplitParts; the layout keeps
+// room for three planes either way).
+template <bool kGated, bool kNorm, bool kFull, int kP>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkForwardFusedKernel(SmatCudaDims d, bool vec_in, const __nv_bfloat16* __restrict__ phi,
                             const __nv_bfloat16* __restrict__ psi,
@@ -343,8 +347,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, stride_r, r, ce, vec_in, base + kPsi * kTile);
   StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
   {
-    // S_in[k] in three bf16 planes [kW][kLd]; zero outside r x p. Thread t
-    // splits the column pairs (t % 4) + 4 j of row t / 4 (Split3, one 4-byte
+    // S_in[k] in kP bf16 planes [kW][kLd]; zero outside r x p. Thread t
+    // splits the column pairs (t % 4) + 4 j of row t / 4 (SplitPair, one 4-byte
     // store per plane); all loads of a thread issue before the first use
     // (clamped indices, no branches).
     static_assert(kThreads == 4 * kW && kLd % 8 == 0, "four threads per row of S_in");
@@ -363,11 +367,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
-      uint32_t part[3];
-      Split3(x[j][0], x[j][1], part[0], part[1], part[2]);
+      uint32_t part[kP];
+      SplitPair<kP>(x[j][0], x[j][1], part);
       const int e = row * kLd + 2 * (pair0 + 4 * j);
 #pragma unroll
-      for (int q = 0; q < 3; ++q)
+      for (int q = 0; q < kP; ++q)
         *reinterpret_cast<uint32_t*>(&base[kOffS + q * kPlane + e]) = part[q];
     }
   }
@@ -399,8 +403,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   bk.off_bn = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
   bk.off_bt = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
   const int w = tid >> 5;
-  if (w < bk.nb) QueryRows<kGated, kNorm, 0, 4>(bk, d, b, h, c0, w, out);
-  if (7 - w < bk.nb && p > 32) QueryRows<kGated, kNorm, 4, 5>(bk, d, b, h, c0, 7 - w, out);
+  if (w < bk.nb) QueryRows<kGated, kNorm, 0, 4, kP>(bk, d, b, h, c0, w, out);
+  if (7 - w < bk.nb && p > 32) QueryRows<kGated, kNorm, 4, 5, kP>(bk, d, b, h, c0, 7 - w, out);
   if (kNorm) {
     __syncthreads();  // every left half and normaliser is in shared memory
     FinishLeftHalves(bk, d, b, h, c0, out);
@@ -411,7 +415,8 @@ template <bool kGated, bool kNorm, bool kFull>
 cudaError_t LaunchShaped(const SmatCudaDims& d, bool vec, const void* phi, const void* psi,
                          const void* v, const float* lam, const float* S_in, const Outputs& out,
                          cudaStream_t stream) {
-  auto kernel = ChunkForwardFusedKernel<kGated, kNorm, kFull>;
+  auto kernel = SmatBf16SplitParts() == 3 ? ChunkForwardFusedKernel<kGated, kNorm, kFull, 3>
+                                          : ChunkForwardFusedKernel<kGated, kNorm, kFull, 2>;
   constexpr int kBytes = kNorm ? kSmemNormBytes : kSmemBytes;
   const cudaError_t err = AllowSharedMemory(kernel, kBytes);
   if (err != cudaSuccess) return err;

@@ -41,8 +41,10 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/cuda/smat_device.cuh"
@@ -496,6 +498,12 @@ constexpr bool kMmaBackwardF32ByDefault = false;
 // rather than the tile below: 1.72 ms against 4.95 ms at the shape above
 // (gated 2.21 ms; H200, 2026-12-01).
 constexpr bool kFusedForwardBf16 = true;
+// The bf16 parts of the fp32 operands in the fused tiles of bf16 inputs (see
+// SmatBf16SplitParts): three, so that every phase keeps fp32 accuracy (1e-5
+// of the CPU phases with a wide margin: 4e-7 measured); two are faster (H200,
+// d = 2, 2026-12-01: B7 5.63 -> 5.18 ms, NormalizedOutputs 1.50 -> 1.35 ms)
+// at up to 5.8e-6 of the CPU phases.
+constexpr int kBf16SplitPartsByDefault = 3;
 
 template <Kind kKind, typename In>
 cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
@@ -541,6 +549,19 @@ bool SmatUseMmaChunkTiles(const SmatCudaDims& d, bool backward) {
 }
 
 int64_t SmatChunkMmaTilesSmemBytes() { return sizeof(float) * kSmemFloats; }
+
+int SmatBf16SplitParts() {
+  const char* env = std::getenv("SMAT_CUDA_BF16_PARTS");
+  if (env == nullptr || *env == '\0') return kBf16SplitPartsByDefault;
+  if (std::strcmp(env, "2") == 0) return 2;
+  if (std::strcmp(env, "3") == 0) return 3;
+  static std::once_flag warned;
+  std::call_once(warned, [env] {
+    std::fprintf(stderr, "smat: SMAT_CUDA_BF16_PARTS=\"%s\" is not 2 or 3; using %d\n", env,
+                 kBf16SplitPartsByDefault);
+  });
+  return kBf16SplitPartsByDefault;
+}
 
 namespace {
 // Whether the tensor-core forward tile is the fused bf16 kernel.

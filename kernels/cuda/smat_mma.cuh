@@ -181,6 +181,38 @@ __device__ __forceinline__ void SplitTile(const float (&x)[2][4], uint32_t (&a)[
              a[2][2 * nt + hr]);
 }
 
+// Two parts, x = x1 + x2: 16 significant bits, relative error <= 2^-16.
+__device__ __forceinline__ void Split2(float x0, float x1, uint32_t& p1, uint32_t& p2) {
+  const __nv_bfloat162 h1 = __floats2bfloat162_rn(x0, x1);
+  p1 = Pack(h1);
+  p2 = Pack(__floats2bfloat162_rn(x0 - __low2float(h1), x1 - __high2float(h1)));
+}
+
+// kP (2 or 3) parts of a pair, of a 16 x 16 tile's A fragments, or of a B
+// fragment (SplitBParts, below): the products' parts count as a template
+// argument (kernels that run either, see SmatBf16SplitParts).
+template <int kP>
+__device__ __forceinline__ void SplitPair(float x0, float x1, uint32_t (&p)[kP]) {
+  static_assert(kP == 2 || kP == 3, "two or three parts");
+  if constexpr (kP == 3) {
+    Split3(x0, x1, p[0], p[1], p[2]);
+  } else {
+    Split2(x0, x1, p[0], p[1]);
+  }
+}
+template <int kP>
+__device__ __forceinline__ void SplitTileParts(const float (&x)[2][4], uint32_t (&a)[kP][4]) {
+  if constexpr (kP == 3) {
+    SplitTile(x, a);
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        Split2(x[nt][2 * hr], x[nt][2 * hr + 1], a[0][2 * nt + hr], a[1][2 * nt + hr]);
+  }
+}
+
 // The fp32 elements of an 8-column n-tile's m16n8k16 B fragment from global
 // memory, element (k, n) = M[k * sk + n * sn] for k < kmax, n < nmax (0
 // elsewhere); k0 the tile's first k, n the lane's column. Loads use clamped
@@ -201,6 +233,16 @@ __device__ __forceinline__ void LoadB(const float* M, int sk, int sn, int k0, in
 __device__ __forceinline__ void SplitB(const float (&x)[4], uint32_t (&b)[3][2]) {
   Split3(x[0], x[1], b[0][0], b[1][0], b[2][0]);
   Split3(x[2], x[3], b[0][1], b[1][1], b[2][1]);
+}
+
+template <int kP>
+__device__ __forceinline__ void SplitBParts(const float (&x)[4], uint32_t (&b)[kP][2]) {
+  if constexpr (kP == 3) {
+    SplitB(x, b);
+  } else {
+    Split2(x[0], x[1], b[0][0], b[1][0]);
+    Split2(x[2], x[3], b[0][1], b[1][1]);
+  }
 }
 
 // The causal mask of a 16 x 16 score tile held as two m16n8 accumulators
@@ -283,6 +325,42 @@ __device__ __forceinline__ void Mma3x3(float (&hi)[4], float (&lo)[4], const uin
   Mma(lo, a[0], b[1][0], b[1][1]);
   Mma(lo, a[1], b[0][0], b[0][1]);
   Mma(hi, a[0], b[0][0], b[0][1]);
+}
+
+// The same with kP parts (2 or 3) of each split operand. Two parts: A B in
+// 1 + 1 MMAs (one exact operand) or the three terms a1 b1, a1 b2, a2 b1 (both
+// split): each split operand off by at most 2^-16 relative (three parts:
+// exact), and a2 b2 (<= 2^-16 relative) left out.
+template <int kP>
+__device__ __forceinline__ void Mma1xP(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&b)[kP][2]) {
+  if constexpr (kP == 3) {
+    Mma1x3(hi, lo, a, b);
+  } else {
+    Mma(lo, a, b[1][0], b[1][1]);
+    Mma(hi, a, b[0][0], b[0][1]);
+  }
+}
+template <int kP>
+__device__ __forceinline__ void MmaPx1(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[kP][4],
+                                       uint32_t b0, uint32_t b1) {
+  if constexpr (kP == 3) {
+    Mma3x1(hi, lo, a, b0, b1);
+  } else {
+    Mma(lo, a[1], b0, b1);
+    Mma(hi, a[0], b0, b1);
+  }
+}
+template <int kP>
+__device__ __forceinline__ void MmaPxP(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[kP][4],
+                                       const uint32_t (&b)[kP][2]) {
+  if constexpr (kP == 3) {
+    Mma3x3(hi, lo, a, b);
+  } else {
+    Mma(lo, a[0], b[1][0], b[1][1]);
+    Mma(lo, a[1], b[0][0], b[0][1]);
+    Mma(hi, a[0], b[0][0], b[0][1]);
+  }
 }
 
 }  // namespace mma_tiles
