@@ -35,12 +35,15 @@
 // than FFMA (TypeReadsBackward 1.68 against 1.60 ms, gated 2.18 against 2.03:
 // 6 MMAs per tile at two blocks per SM; 1.78 ms with 8 of gbar's loads in
 // flight per thread instead of all), so SmatUseReadsBf16 leaves it to
-// SMAT_CUDA_GROUPED=mma. kVecMat is bound by neither pipe (Nsight Compute:
-// 46% of the SM, 29% of DRAM): its p-wide output rows (65 floats) leave as
-// single floats. With r = dv = 64 the kernels run with the widths as
-// constants (kFull; Nsight Compute had counted integer instructions and
-// branches at about 40% of these kernels'): TypeReads (=) 0.78 -> 0.73 ms
-// (the same run; 0.71 in an earlier one), ProfilePoolingBackward unchanged.
+// SMAT_CUDA_GROUPED=mma. kVecMat was bound by neither pipe (Nsight Compute:
+// 46% of the SM, 29% of DRAM) while its p-wide output rows (65 floats) left
+// as single floats, 8 rows per store; where the blocks hold a whole tile of
+// tokens they now leave through shared memory, a row's columns per store
+// (StoreRowsStaged): 0.76 -> 0.64 ms at d = 2. With r = dv = 64 the kernels
+// run with the widths as constants (kFull; Nsight Compute had counted
+// integer instructions and branches at about 40% of these kernels'):
+// TypeReads (=) 0.78 -> 0.73 ms (the same run; 0.71 in an earlier one),
+// ProfilePoolingBackward unchanged.
 //
 // TypeReadsBackwardKernel (further down) fuses kMatVec with the outer sums
 // of U_bar over the same tokens, gbar staged once for both.
@@ -94,12 +97,23 @@ constexpr int TokenPlanes(SmatReadKind kind) {
   return kind == SmatReadKind::kVecMat ? 1 : kind == SmatReadKind::kBoth ? 2 : 3;
 }
 
+// kVecMat's outputs of a pass (kVecMatTiles n8 tiles of a warp's 16 tokens)
+// wait in shared memory, [16][kLdY] fp32 per warp, so that they leave as runs
+// of consecutive floats (see StoreRowsStaged). kLdY = 8 (mod 32): the float2
+// stores of a half-warp's fragments hit distinct banks.
+constexpr int kVecMatTiles = 3;
+constexpr int kLdY = 40;
+static_assert(kLdY >= 8 * kVecMatTiles && kLdY % 32 == 8, "a pass's columns, conflict-free");
+
 // Byte offsets: M planes, M[:, dv] (fp32 [kW]), token planes, rows (int64
-// [kC]), weights and gbar[:, dv] (fp32 [kC] each).
+// [kC]), weights and gbar[:, dv] (fp32 [kC] each), then kVecMat's outputs.
 constexpr int kOffMcol = 3 * kMPlane * 2;
 constexpr int kOffTok = kOffMcol + kW * 4;
 constexpr int OffRows(SmatReadKind kind) { return kOffTok + TokenPlanes(kind) * kTokPlane * 2; }
-constexpr int SmemBytes(SmatReadKind kind) { return OffRows(kind) + kC * 8 + 2 * kC * 4; }
+constexpr int OffOutputs(SmatReadKind kind) { return OffRows(kind) + kC * 8 + 2 * kC * 4; }
+constexpr int SmemBytes(SmatReadKind kind, bool staged = false) {
+  return OffOutputs(kind) + (staged ? kC * kLdY * 4 : 0);
+}
 static_assert(kOffTok % 16 == 0 && OffRows(SmatReadKind::kBoth) % 16 == 0,
               "planes and rows must be 16-byte aligned");
 
@@ -284,10 +298,62 @@ __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float 
   }
 }
 
-// GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kRead).
-// kFull: r = dv = kW as constants (mma_tiles::TileWidths).
-template <SmatReadKind kRead, bool kFull>
-__global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
+// kVecMat's rows (p = dv + 1 floats: odd for the usual even dv, so the pairs
+// of StoreRows do not apply and its single floats, 8 rows x 4 columns two
+// apart per store, reached L2 as partial sectors, 63% of them excess by
+// Nsight Compute): out[rows[t]][8 j0 + n] (=|+=) w[t] (hi + lo) for the
+// warp's tokens t < nt and n < min(8 kN, width - 8 j0), through this warp's
+// [16][kLdY] of shared memory (ys): the fragments go in as float2, then each
+// row's columns leave as one store of consecutive floats (and the old values
+// come in as one load, all a lane's before the first add).
+template <int kN>
+__device__ __forceinline__ void StoreRowsStaged(const float (&hi)[kN][4], const float (&lo)[kN][4],
+                                                int t0, int j0, int nt, const int64_t* rows,
+                                                const float* w, int width, bool assign, float* ys,
+                                                float* __restrict__ out) {
+  static_assert(8 * kN <= kLdY, "a pass fits its rows");
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = g + 8 * hr;
+    const float wt = t0 + m < nt ? w[t0 + m] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      *reinterpret_cast<float2*>(&ys[m * kLdY + 8 * j + 2 * tq]) =
+          make_float2(__fmul_rn(wt, hi[j][2 * hr] + lo[j][2 * hr]),
+                      __fmul_rn(wt, hi[j][2 * hr + 1] + lo[j][2 * hr + 1]));
+    }
+  }
+  __syncwarp();
+  const int n = 8 * j0 + lane;
+  const bool mine = lane < 8 * kN && n < width;
+  const int rows_here = min(16, nt - t0);
+  if (assign) {
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      // 0 + y: the bits of old + y with old = 0 (a -0 leaves as +0).
+      if (mine && m < rows_here) out[rows[t0 + m] * width + n] = 0.f + ys[m * kLdY + lane];
+    }
+  } else {
+    float old[16];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      old[m] = mine && m < rows_here ? out[rows[t0 + m] * width + n] : 0.f;
+    }
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      if (mine && m < rows_here) out[rows[t0 + m] * width + n] = old[m] + ys[m * kLdY + lane];
+    }
+  }
+  __syncwarp();  // the next pass writes ys again
+}
+
+// GroupGrid (batch * H, segments, G), kThreads threads, SmemBytes(kRead,
+// kStaged). kFull: r = dv = kW as constants (mma_tiles::TileWidths).
+// kStaged (kVecMat): the rows leave through shared memory (StoreRowsStaged),
+// three blocks per SM instead of four (see Launch for when).
+template <SmatReadKind kRead, bool kFull, bool kStaged>
+__global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kStaged ? 3 : 4)
                                             : kRead == SmatReadKind::kBoth ? 3
                                                                            : 2)
     ReadsBf16Kernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
@@ -350,11 +416,16 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? 4
 
     if constexpr (kRead == SmatReadKind::kVecMat) {
       const int n_tiles = (p + 7) >> 3;
-      for (int j0n = 0; j0n < n_tiles; j0n += 3) {  // passes of 3 n8 tiles (64 registers)
-        float hi[3][4], lo[3][4];
-        Product<1, 3, true>(a_addr, b_trans, kr, j0n, n_tiles, hi, lo);
-        StoreRows<3, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, p, assign_p,
-                                 out_p);
+      for (int j0n = 0; j0n < n_tiles; j0n += kVecMatTiles) {  // 64 registers unstaged
+        float hi[kVecMatTiles][4], lo[kVecMatTiles][4];
+        Product<1, kVecMatTiles, true>(a_addr, b_trans, kr, j0n, n_tiles, hi, lo);
+        if constexpr (kStaged) {
+          float* ys = reinterpret_cast<float*>(smem + OffOutputs(kRead)) + 16 * warp * kLdY;
+          StoreRowsStaged(hi, lo, 16 * warp, j0n, nt, rows, w, p, assign_p, ys, out_p);
+        } else {
+          StoreRows<kVecMatTiles, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, p,
+                                              assign_p, out_p);
+        }
       }
     } else if constexpr (kRead == SmatReadKind::kMatVec) {
       float hi[8][4], lo[8][4];
@@ -452,14 +523,14 @@ __global__ void __launch_bounds__(kThreads, 2)
              blk.Matrix(U_bar, out_lay, r, p, segments, blk.seg), tid, kThreads);
 }
 
-template <SmatReadKind kRead>
-cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                   const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
-                   const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                   float* out_v, bool assign_p, cudaStream_t stream) {
-  auto kernel =
-      d.r == kW && d.dv == kW ? ReadsBf16Kernel<kRead, true> : ReadsBf16Kernel<kRead, false>;
-  constexpr int kSmem = SmemBytes(kRead);
+template <SmatReadKind kRead, bool kStaged>
+cudaError_t LaunchKernel(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                         const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                         const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                         float* out_v, bool assign_p, cudaStream_t stream) {
+  auto kernel = d.r == kW && d.dv == kW ? ReadsBf16Kernel<kRead, true, kStaged>
+                                        : ReadsBf16Kernel<kRead, false, kStaged>;
+  constexpr int kSmem = SmemBytes(kRead, kStaged);
   const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
@@ -467,6 +538,28 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
       d, groups, segments, M, lay, static_cast<const __nv_bfloat16*>(a),
       static_cast<const __nv_bfloat16*>(v), g, w, out_p, out_r, out_v, assign_p);
   return cudaGetLastError();
+}
+
+template <SmatReadKind kRead>
+cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                   const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                   const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                   float* out_v, bool assign_p, cudaStream_t stream) {
+  if constexpr (kRead == SmatReadKind::kVecMat) {
+    // The rows go through shared memory (kStaged) where they are odd-sized
+    // and the blocks hold a whole tile of tokens on average: H200, bf16,
+    // T = 524288, 8 heads, 2026-12-01, TypeReads (=) at d = 2 (252 tokens per
+    // block) 0.76 -> 0.64 ms; at d = 3, whose many small groups make each
+    // block's staging of M the larger part, 0.76 -> 0.91 ms at three blocks
+    // per SM, so it keeps four.
+    const int64_t blocks = int64_t{groups.num_groups} * segments;
+    if (d.p % 2 != 0 && groups.end - groups.begin >= kC * blocks) {
+      return LaunchKernel<kRead, true>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
+                                       assign_p, stream);
+    }
+  }
+  return LaunchKernel<kRead, false>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
+                                    assign_p, stream);
 }
 
 }  // namespace
@@ -478,7 +571,7 @@ bool SmatReadsBf16Fits(const SmatCudaDims& d, SmatReadKind kind, const void* a, 
     if (!d.bf16 || d.r % 8 != 0 || !Aligned16(a)) return false;
     if (kind == SmatReadKind::kBoth && (d.dv % 8 != 0 || !Aligned16(v))) return false;
   }
-  return SmatDeviceRunsMma(SmemBytes(kind));
+  return SmatDeviceRunsMma(SmemBytes(kind, kind == SmatReadKind::kVecMat));
 }
 
 bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& d, const void* phi) {

@@ -2,7 +2,7 @@
 // (kernels/cpu/smat_cpu.h), phase by phase on identical inputs, and the whole
 // op (kernels/smat.h) against the CPU op and the double reference: outputs and
 // every gradient under random upstream gradients, at odd sizes (T = 1, 63, 127,
-// 1000, 1031, 4700; r = 60 or small; chunks 16..128; d = 1..3), gated and not,
+// 700, 1000, 1031, 2000, 4700; r = 60 or small; chunks 16..128; d = 1..3), gated and not,
 // positional and content maps, whole spans and spans starting inside the
 // sequence, fp32 and bf16 inputs. SMAT_CUDA_CHUNK_TILES picks the chunk-tile
 // kernels checked where the fast sizes fit (c <= 128, r, dv <= 64: every case
@@ -143,6 +143,11 @@ std::vector<Case> Cases() {
   // The gate gradient's suffix sums over several 2048-token segments (a
   // span of 4636 tokens: three segments, the last one partial).
   add(1, 4700, 2, 8, 5, 2, 64, true, false, 0.0, false, 64, 19);
+  // TypeReads of bf16 inputs with rows of odd width p through shared memory
+  // (smat_reads_bf16.cu, StoreRowsStaged: where a block's groups hold a whole
+  // tile of tokens on average, as d = 1's single type does) at the
+  // benchmark's widths, gated, from a span inside the sequence.
+  add(1, 2000, 2, 64, 64, 1, 128, true, false, 0.0, true, 128, 20);
   return cs;
 }
 
