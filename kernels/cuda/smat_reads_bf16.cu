@@ -256,8 +256,9 @@ enum class Den { kNone, kOnes, kG };
 
 // out[rows[t]][n] (=|+=) w[t] ((hi + lo) + den_t M[n][dv]) (w null: 1) for the warp's
 // tokens t < nt and the columns n < width of n8 tiles j0 + j; the old values
-// of a row are loaded before any is stored; (n, n + 1) as one float2 where
-// width is even and out 8-byte aligned.
+// of both of a lane's rows are loaded before any is stored (one memory
+// latency per call, not one per row); (n, n + 1) as one float2 where width is
+// even and out 8-byte aligned.
 template <int kN, Den kDen>
 __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float (&lo)[kN][4],
                                           int t0, int j0, int nt, const int64_t* rows,
@@ -265,49 +266,50 @@ __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float 
                                           int width, bool assign, float* __restrict__ out) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const bool pairs = width % 2 == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
+  float* o[2];
+  float old[2][kN][2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int t = t0 + g + 8 * hr;
+    o[hr] = out + rows[t < nt ? t : t0] * width;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const int n = 8 * (j0 + j) + 2 * tq;
+      old[hr][j][0] = old[hr][j][1] = 0.f;
+      if (assign || t >= nt) continue;
+      if (pairs && n < width) {
+        const float2 x = *reinterpret_cast<const float2*>(o[hr] + n);
+        old[hr][j][0] = x.x;
+        old[hr][j][1] = x.y;
+      } else if (!pairs) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) old[hr][j][e] = n + e < width ? o[hr][n + e] : 0.f;
+      }
+    }
+  }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int t = t0 + g + 8 * hr;
     if (t >= nt) continue;
-    float* o = out + rows[t] * width;
     const float wt = w != nullptr ? w[t] : 1.f;
     const float den = kDen == Den::kG ? gcol[t] : 1.f;
-    float y[kN][2], old[kN][2];
 #pragma unroll
-    for (int j = 0; j < kN; ++j)
+    for (int j = 0; j < kN; ++j) {
+      float y[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int n = 8 * (j0 + j) + 2 * tq + e;
-        float s = hi[j][2 * hr + e] + lo[j][2 * hr + e];
-        if (kDen != Den::kNone) s = fmaf(den, mcol[n < kW ? n : 0], s);
-        y[j][e] = __fmul_rn(wt, s);
-        old[j][e] = 0.f;
+        float sum = hi[j][2 * hr + e] + lo[j][2 * hr + e];
+        if (kDen != Den::kNone) sum = fmaf(den, mcol[n < kW ? n : 0], sum);
+        y[e] = old[hr][j][e] + __fmul_rn(wt, sum);
       }
-    if (!assign) {
-#pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        const int n = 8 * (j0 + j) + 2 * tq;
-        if (pairs && n < width) {
-          const float2 x = *reinterpret_cast<const float2*>(o + n);
-          old[j][0] = x.x;
-          old[j][1] = x.y;
-        } else if (!pairs) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) old[j][e] = n + e < width ? o[n + e] : 0.f;
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
       const int n = 8 * (j0 + j) + 2 * tq;
       if (pairs) {
-        if (n < width) {
-          *reinterpret_cast<float2*>(o + n) = make_float2(old[j][0] + y[j][0], old[j][1] + y[j][1]);
-        }
+        if (n < width) *reinterpret_cast<float2*>(o[hr] + n) = make_float2(y[0], y[1]);
       } else {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (n + e < width) o[n + e] = old[j][e] + y[j][e];
+          if (n + e < width) o[hr][n + e] = y[e];
         }
       }
     }
