@@ -4,7 +4,8 @@
 // factors of the causal tiles,
 // 16-byte cp.async, the staging of bf16 token rows, ldmatrix, the m16n8k16
 // bf16 mma with fp32 accumulation, and the split of fp32 values into three
-// bf16 parts x = x1 + x2 + x3 (24 significant bits: exact for normal fp32)
+// bf16 parts x = x1 + x2 + x3 (24 significant bits: exact for normal fp32;
+// two parts, 16 bits, where a kernel takes kP = 2)
 // with the products of the exactness scheme (smat_chunk_mma.cu): one exact
 // operand 3 MMAs, two split operands the 6 terms down to 2^-16 relative, the
 // correction terms summed smallest first in an accumulator (lo) of their own.
@@ -189,8 +190,8 @@ __device__ __forceinline__ void Split2(float x0, float x1, uint32_t& p1, uint32_
 }
 
 // kP (2 or 3) parts of a pair, of a 16 x 16 tile's A fragments, or of a B
-// fragment (SplitBParts, below): the products' parts count as a template
-// argument (kernels that run either, see SmatBf16SplitParts).
+// fragment (SplitBParts, below), for kernels that take the number of parts
+// as a template argument (see SmatBf16SplitParts).
 template <int kP>
 __device__ __forceinline__ void SplitPair(float x0, float x1, uint32_t (&p)[kP]) {
   static_assert(kP == 2 || kP == 3, "two or three parts");
