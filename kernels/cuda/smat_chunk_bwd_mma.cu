@@ -115,8 +115,7 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const Smat
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kd()) continue;
       uint32_t a[kP][4], bv[4];
-#pragma unroll
-      for (int q = 0; q < kP; ++q) Ldsm4(a[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_a));
+      bk.LoadG(a, 16 * i, 16 * ks, bk.off_a);
       Ldsm4(bv, bk.Addr(kV, 16 * j, 16 * ks, bk.off_bn));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) MmaPx1<kP>(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
@@ -211,8 +210,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const Sma
       if (ks >= bk.kd()) continue;
       uint32_t a[4], bg[kP][4];
       Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
-#pragma unroll
-      for (int q = 0; q < kP; ++q) Ldsm4(bg[q], bk.Addr(kG + q, 16 * i, 16 * ks, bk.off_bn));
+      bk.LoadG(bg, 16 * i, 16 * ks, bk.off_bn);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         uint32_t bb[kP][2];
@@ -300,8 +298,7 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatC
     for (int np = 0; np < 2; ++np) {
       if (n0 + 16 * np >= dv) continue;
       uint32_t bg[kP][4];
-#pragma unroll
-      for (int q = 0; q < kP; ++q) Ldsm4T(bg[q], bk.Addr(kG + q, 16 * i, n0 + 16 * np, bk.off_bt));
+      bk.template LoadG</*kTrans=*/true>(bg, 16 * i, n0 + 16 * np, bk.off_bt);
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         uint32_t bb[kP][2];

@@ -76,6 +76,18 @@ struct Block : mma_tiles::TileWidths<kFull> {
   __device__ uint32_t Addr(int tile, int row, int col, int off) const {
     return base + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
   }
+  // The ldmatrix fragments of gbar's kP planes at (row, col) (kTrans: .trans).
+  template <bool kTrans = false>
+  __device__ void LoadG(uint32_t (&x)[kP][4], int row, int col, int off) const {
+#pragma unroll
+    for (int q = 0; q < kP; ++q) {
+      if constexpr (kTrans) {
+        Ldsm4T(x[q], Addr(kG + q, row, col, off));
+      } else {
+        Ldsm4(x[q], Addr(kG + q, row, col, off));
+      }
+    }
+  }
 };
 
 // out rows m0 + (16 rows), columns n0 + (8 kNt) += hi + lo (kAssign: =), for
@@ -225,9 +237,7 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
         if (i0 + u >= bk.nb) continue;
         if (kQuery) {
           uint32_t a[kP][4];
-#pragma unroll
-          for (int q = 0; q < kP; ++q)
-            Ldsm4(a[q], bk.Addr(kG + q, 16 * (i0 + u), 16 * ks, bk.off_a));
+          bk.LoadG(a, 16 * (i0 + u), 16 * ks, bk.off_a);
           MmaPxP<kP>(hi[u], lo[u], a, bs[ks]);
         } else {
           uint32_t a[4];
