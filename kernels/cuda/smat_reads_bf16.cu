@@ -27,7 +27,8 @@
 // Shared memory: the M planes (3 x [64][88] bf16, 33 KB), M[:, dv] (fp32),
 // the token planes ([128][72] bf16: one for phi, two for psi and v, three for
 // gbar), the token rows, weights and gbar[:, dv]: 54 / 73 / 92 KB for kVecMat /
-// kBoth / kMatVec, four / three / two blocks per SM.
+// kBoth / kMatVec, four / three / two blocks per SM; kVecMat with its rows
+// staged (kStaged, see Launch) 74 KB, three blocks per SM.
 //
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
 // d = 2, 2026-12-01), against the FFMA kernel: ProfilePoolingBackward (kBoth)
