@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                                        tiles + kV * kTile);
   {
     // gbar[:, 0:dv] in kP parts, a column pair (n, n + 1) per thread and
-    // step (SplitPair, one 4-byte store per part); gcol = gbar[:, dv]. All 32
+    // step (StoreSplitPair: a 4-byte store per part); gcol = gbar[:, dv]. All 32
     // loads of a thread issue before the first use (clamped indices, no
     // branches).
     const float* tg = gbar + tok * p;
@@ -375,11 +375,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int e = e0 + u * kThreads, t = e >> 5, n = 2 * (e & 31);
-        uint32_t part[kP];
-        SplitPair<kP>(x[u][0], x[u][1], part);
-#pragma unroll
-        for (int q = 0; q < kP; ++q)
-          *reinterpret_cast<uint32_t*>(&tiles[(kG + q) * kTile + t * kLd + n]) = part[q];
+        StoreSplitPair<kP>(&tiles[kG * kTile + t * kLd + n], kTile, x[u][0], x[u][1]);
       }
     }
     if (tid < kC) {

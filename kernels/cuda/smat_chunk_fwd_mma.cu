@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
   {
     // S_in[k] in kP bf16 planes [kW][kLd]; zero outside r x p. Thread t
-    // splits the column pairs (t % 4) + 4 j of row t / 4 (SplitPair, one 4-byte
+    // splits the column pairs (t % 4) + 4 j of row t / 4 (StoreSplitPair, one 4-byte
     // store per plane); all loads of a thread issue before the first use
     // (clamped indices, no branches).
     static_assert(kThreads == 4 * kW && kLd % 8 == 0, "four threads per row of S_in");
@@ -367,12 +367,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
-      uint32_t part[kP];
-      SplitPair<kP>(x[j][0], x[j][1], part);
-      const int e = row * kLd + 2 * (pair0 + 4 * j);
-#pragma unroll
-      for (int q = 0; q < kP; ++q)
-        *reinterpret_cast<uint32_t*>(&base[kOffS + q * kPlane + e]) = part[q];
+      StoreSplitPair<kP>(&base[kOffS + row * kLd + 2 * (pair0 + 4 * j)], kPlane, x[j][0], x[j][1]);
     }
   }
   if (tid < kC) {

@@ -214,6 +214,17 @@ __device__ __forceinline__ void SplitTileParts(const float (&x)[2][4], uint32_t 
   }
 }
 
+// The kP parts of the pair (x0, x1) stored at `at` of kP bf16 planes `plane`
+// elements apart, one 4-byte store per plane (`at` 4-byte aligned): how the
+// staging loops put fp32 rows into planes a column pair at a time.
+template <int kP>
+__device__ __forceinline__ void StoreSplitPair(__nv_bfloat16* at, int plane, float x0, float x1) {
+  uint32_t part[kP];
+  SplitPair<kP>(x0, x1, part);
+#pragma unroll
+  for (int q = 0; q < kP; ++q) *reinterpret_cast<uint32_t*>(at + q * plane) = part[q];
+}
+
 // The fp32 elements of an 8-column n-tile's m16n8k16 B fragment from global
 // memory, element (k, n) = M[k * sk + n * sn] for k < kmax, n < nmax (0
 // elsewhere); k0 the tile's first k, n the lane's column. Loads use clamped

@@ -150,7 +150,7 @@ __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__
 // w[t] x instead (each product rounded to fp32). Column dv goes to the planes
 // (kDenInPlanes) and/or to gcol[t] (kGcol). kThreads threads, 8 to a row:
 // thread i of a row takes the column pairs (2 j, 2 j + 1), j = i, i + 8, ...
-// (Split3: one 4-byte store per plane), its kBatch loads issued before their
+// (StoreSplitPair: one 4-byte store per plane), its kBatch loads issued before their
 // first use. A pair's element past the staged columns (p, or dv without
 // kDenInPlanes) stores 0 there, as the padding is. Element by element, with a
 // division by p and three 2-byte stores each, it took TypeReadsBackward
@@ -194,12 +194,7 @@ __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, co
         if (c + e >= cols) y[e] = 0.f;
       }
       if (c >= cols) continue;
-      uint32_t part[3];
-      mma_tiles::Split3(y[0], y[1], part[0], part[1], part[2]);
-      uint32_t* to = reinterpret_cast<uint32_t*>(dst + t * kLd + c);
-      to[0] = part[0];
-      to[kPlane / 2] = part[1];
-      to[kPlane] = part[2];
+      mma_tiles::StoreSplitPair<3>(dst + t * kLd + c, kPlane, y[0], y[1]);
     }
   }
 }
