@@ -100,17 +100,13 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const Smat
     lt[hr] = bk.lam()[16 * i + g + 8 * hr];
     rt[hr] = kGated ? bk.rf()[16 * i + g + 8 * hr] : 1.f;
   }
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
+  cuda_detail::ZeroAcc(hi);
+  cuda_detail::ZeroAcc(lo);
   // Causal sum over key blocks j <= i.
   for (int j = 0; j <= i; ++j) {
     float sc[2][4], scl[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = scl[nt][e] = 0.f;
+    cuda_detail::ZeroAcc(sc);
+    cuda_detail::ZeroAcc(scl);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kd()) continue;
@@ -194,17 +190,13 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const Sma
     ls[hr] = bk.lam()[16 * j + g + 8 * hr];
     cs[hr] = kGated ? bk.cf()[16 * j + g + 8 * hr] : 1.f;
   }
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
+  cuda_detail::ZeroAcc(hi);
+  cuda_detail::ZeroAcc(lo);
   // Causal sum over query blocks i >= j.
   for (int i = j; i < bk.nb; ++i) {
     float sc[2][4], scl[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = scl[nt][e] = 0.f;
+    cuda_detail::ZeroAcc(sc);
+    cuda_detail::ZeroAcc(scl);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kd()) continue;
@@ -265,16 +257,11 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatC
     ls[hr] = bk.lam()[16 * j + g + 8 * hr];
     cs[hr] = kGated ? bk.cf()[16 * j + g + 8 * hr] : 1.f;
   }
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
+  cuda_detail::ZeroAcc(hi);
+  cuda_detail::ZeroAcc(lo);
   for (int i = j; i < bk.nb; ++i) {
     float sc[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
+    cuda_detail::ZeroAcc(sc);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kr()) continue;

@@ -225,10 +225,8 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
         }
       }
     float hi[4][4], lo[4][4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) hi[u][e] = lo[u][e] = 0.f;
+    cuda_detail::ZeroAcc(hi);
+    cuda_detail::ZeroAcc(lo);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= ksteps) continue;

@@ -118,10 +118,8 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
   constexpr int kPairs = (kNt + 1) / 2;  // ldmatrix x4 .trans loads two n-tiles
   const int g = bk.g, tq = bk.tq;
   float hi[kNt][4], lo[kNt][4];
-#pragma unroll
-  for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hi[nt][e] = lo[nt][e] = 0.f;
+  cuda_detail::ZeroAcc(hi);
+  cuda_detail::ZeroAcc(lo);
   // State term: phi_t (exact) times the planes of S_in.
   for (int ks = 0; ks < bk.kr(); ++ks) {
     uint32_t a[4];
@@ -160,10 +158,7 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
   // Causal sum over key blocks j <= i.
   for (int j = 0; j <= i; ++j) {
     float sc[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
+    cuda_detail::ZeroAcc(sc);
     for (int ks = 0; ks < bk.kr(); ++ks) {
       uint32_t a[4], bp[4];
       Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));

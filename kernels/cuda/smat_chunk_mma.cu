@@ -225,10 +225,8 @@ struct WarpAcc {
   float hi[8][4];
   float lo[8][4];
   __device__ __forceinline__ void Zero() {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) hi[j][e] = lo[j][e] = 0.f;
+    cuda_detail::ZeroAcc(hi);
+    cuda_detail::ZeroAcc(lo);
   }
   // Element e of n-tile j: row g + 8 (e / 2), column 8 j + 2 (lane % 4) + e % 2.
   template <bool kSplit>

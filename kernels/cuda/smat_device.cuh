@@ -211,11 +211,14 @@ __device__ __forceinline__ void TileStore(const float (&acc)[kRegM][kRegN], int 
     }
 }
 
-__device__ __forceinline__ void ZeroAcc(float (&acc)[kRegM][kRegN]) {
+// Register accumulators (a thread's kRegM x kRegN outputs, or kM m16n8
+// fragments of 4) set to zero.
+template <int kM, int kN>
+__device__ __forceinline__ void ZeroAcc(float (&acc)[kM][kN]) {
 #pragma unroll
-  for (int i = 0; i < kRegM; ++i)
+  for (int i = 0; i < kM; ++i)
 #pragma unroll
-    for (int j = 0; j < kRegN; ++j) acc[i][j] = 0.f;
+    for (int j = 0; j < kN; ++j) acc[i][j] = 0.f;
 }
 
 }  // namespace cuda_detail

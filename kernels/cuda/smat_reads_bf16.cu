@@ -212,10 +212,8 @@ __device__ __forceinline__ void StageTokens(const cuda_detail::GroupBlock& blk,
 template <int kAParts, int kN, bool kTrans>
 __device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ksteps, int j0,
                                         int n_tiles, float (&hi)[kN][4], float (&lo)[kN][4]) {
-#pragma unroll
-  for (int j = 0; j < kN; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hi[j][e] = lo[j][e] = 0.f;
+  cuda_detail::ZeroAcc(hi);
+  cuda_detail::ZeroAcc(lo);
   for (int ks = 0; ks < ksteps; ++ks) {
     uint32_t a[kAParts][4];
 #pragma unroll
