@@ -122,15 +122,6 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
     SMAT_ASSIGN_OR_RETURN(sv.chunk_decay, Alloc(backend, {d.batch, d.Lc, d.H}));
     SMAT_RETURN_IF_ERROR(k->ChunkLogDecay(plan, span, in.logg, &sv.lam, &sv.chunk_decay, stream));
   }
-  // Causal branch states: summaries and the exclusive scan (steps 5, 6).
-  SMAT_ASSIGN_OR_RETURN(Tensor D, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(
-      k->ChunkSummaries(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, &D, stream));
-  SMAT_ASSIGN_OR_RETURN(sv.S_in, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
-  SMAT_ASSIGN_OR_RETURN(Tensor span_state, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
-  SMAT_ASSIGN_OR_RETURN(Tensor span_decay, Alloc(backend, {d.batch, 2, d.H}));
-  SMAT_RETURN_IF_ERROR(k->ChunkScan(plan, span, D, sv.chunk_decay, Tensor(), &sv.S_in,
-                                    &span_state, &span_decay, stream));
   // Long-range branch tables: pooling and tabulation (steps 2, 3). One span
   // ends its distant part at n - 1, so F is already referred to Lambda_{n-1}.
   SMAT_ASSIGN_OR_RETURN(Tensor F, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
@@ -139,13 +130,28 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
   SMAT_ASSIGN_OR_RETURN(sv.U, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
   SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
   // Outputs (steps 4, 7): the per-type reads of the recent tokens, then the
-  // chunk-local part, the sum and the division in one pass over the tokens.
+  // causal branch's states (steps 5, 6), the chunk-local part, the sum and
+  // the division: in one walk over the chunks where the backend has one,
+  // else summaries, the exclusive scan and one pass over the tokens.
   SMAT_ASSIGN_OR_RETURN(Tensor reads, Alloc(backend, {d.batch, d.L, d.H, d.p}));
   SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, sv.U, sv.lam, sv.chunk_decay, Tensor(),
                                     in.type, &reads, SmatWrite::kAssign, stream));
   SMAT_ASSIGN_OR_RETURN(fwd->o, Tensor::Empty({d.batch, d.L, d.H, d.dv}, in.v.dtype(),
                                               backend.allocator()));
   SMAT_ASSIGN_OR_RETURN(sv.den, Alloc(backend, {d.batch, d.L, d.H}));
+  SMAT_ASSIGN_OR_RETURN(sv.S_in, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_ASSIGN_OR_RETURN(
+      const bool walked,
+      k->ChunkStatesAndOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.chunk_decay, Tensor(),
+                               reads, in.eps, &sv.S_in, &fwd->o, &sv.den, stream));
+  if (walked) return absl::OkStatus();
+  SMAT_ASSIGN_OR_RETURN(Tensor D, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  SMAT_RETURN_IF_ERROR(
+      k->ChunkSummaries(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, &D, stream));
+  SMAT_ASSIGN_OR_RETURN(Tensor span_state, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
+  SMAT_ASSIGN_OR_RETURN(Tensor span_decay, Alloc(backend, {d.batch, 2, d.H}));
+  SMAT_RETURN_IF_ERROR(k->ChunkScan(plan, span, D, sv.chunk_decay, Tensor(), &sv.S_in, &span_state,
+                                    &span_decay, stream));
   return k->NormalizedOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.S_in, reads, in.eps,
                               &fwd->o, &sv.den, stream);
 }

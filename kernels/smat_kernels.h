@@ -93,6 +93,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/geometry.h"
 #include "core/tensor.h"
 #include "kernels/backend.h"
@@ -248,6 +249,31 @@ class SmatKernels {
                                          Tensor* o,    // [batch, L, H, dv], phi's dtype or fp32
                                          Tensor* den,  // [batch, L, H]
                                          Stream* stream) = 0;
+
+  // F2 + F3 + NormalizedOutputs in one call, where a backend has a path that
+  //   never reads the states back from memory: S_in as ChunkScan writes it
+  //   (from `incoming`, zero where undefined), then o and den as
+  //   NormalizedOutputs writes them from that S_in and `reads`. Returns false,
+  //   having written nothing, where the backend has no such path for these
+  //   inputs: the composer then runs the three phases. The results agree with
+  //   the three phases' within the phases' tolerances (the state sums run in
+  //   another order), and repeat bit for bit.
+  virtual absl::StatusOr<bool> ChunkStatesAndOutputs(
+      const SmatPlan& plan, const SmatSpan& span,
+      const Tensor& phi,          // [batch, L, H, r]
+      const Tensor& psi,          // [batch, L, H, r]
+      const Tensor& v,            // [batch, L, H, dv]
+      const Tensor& lam,          // [batch, L, H] or undefined
+      const Tensor& chunk_decay,  // [batch, Lc, H] or undefined
+      const Tensor& incoming,     // [batch, 2, H, r, p] or undefined (0)
+      const Tensor& reads,        // [batch, L, H, p]
+      float eps,
+      Tensor* S_in,  // [batch, Lc, H, r, p]
+      Tensor* o,     // [batch, L, H, dv], phi's dtype or fp32
+      Tensor* den,   // [batch, L, H]
+      Stream* stream) {
+    return false;
+  }
 
   // ====================== backward (Appendix E) ======================
   // gbar_t = dL/dybar_t. Gradients phi_bar, psi_bar, v_bar are fp32 and

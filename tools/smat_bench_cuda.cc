@@ -221,35 +221,57 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   SMAT_ASSIGN_OR_RETURN(Tensor den, buf.Zeros({B, T, H}));
   const float eps = 1e-6f;
 
+  const double gate_bytes = cfg.gated ? N * 4 + NC * 4 : 0;
+  // The causal states and the outputs as SmatForward computes them
+  // (kernels/smat.cc): one walk over the chunks where the backend has one
+  // (ChunkStatesAndOutputs: the summaries' reads of psi and v, then the
+  // outputs' reads, S_in written once), else summaries, scan and
+  // NormalizedOutputs, which are timed for comparison either way.
+  auto walk = [&]() -> absl::Status {
+    SMAT_ASSIGN_OR_RETURN(const bool walked,
+                          k->ChunkStatesAndOutputs(plan, span, phi, psi, v, lam, cd, Tensor(),
+                                                   reads, eps, &S_in, &o, &den, nullptr));
+    if (!walked) return absl::InternalError("ChunkStatesAndOutputs did not run");
+    return absl::OkStatus();
+  };
+  SMAT_ASSIGN_OR_RETURN(const bool walks,
+                        k->ChunkStatesAndOutputs(plan, span, phi, psi, v, lam, cd, Tensor(), reads,
+                                                 eps, &S_in, &o, &den, nullptr));
+  const double out_bytes = N * (2 * r + dv) * es + gate_bytes + NC * W * 4;
+  std::vector<Phase> states;
+  states.push_back({"ChunkSummaries", N * (r + dv) * es + gate_bytes + NC * W * 4, 2 * N * W,
+                    [&] { return k->ChunkSummaries(plan, span, psi, v, lam, cd, &D, nullptr); }});
+  states.push_back({"ChunkScan", NC * W * 8, 2 * NC * W, [&] {
+                      return k->ChunkScan(plan, span, D, cd, Tensor(), &S_in, &span_state,
+                                          &span_decay, nullptr);
+                    }});
+  states.push_back({"NormalizedOutputs", out_bytes + nr * p * 4 + N * (dv * es + 4),
+                    N * c * (r + p) + 2 * N * W + N * dv, [&] {
+                      return k->NormalizedOutputs(plan, span, phi, psi, v, lam, S_in, reads, eps,
+                                                  &o, &den, nullptr);
+                    }});
   std::vector<Phase> fwd;
   if (cfg.gated) {
     fwd.push_back({"ChunkLogDecay", N * 8 + NC * 4, 0,
                    [&] { return k->ChunkLogDecay(plan, span, logg, &lam, &cd, nullptr); }});
   }
-  const double gate_bytes = cfg.gated ? N * 4 + NC * 4 : 0;
-  fwd.push_back({"ChunkSummaries", N * (r + dv) * es + gate_bytes + NC * W * 4, 2 * N * W,
-                 [&] { return k->ChunkSummaries(plan, span, psi, v, lam, cd, &D, nullptr); }});
-  fwd.push_back({"ChunkScan", NC * W * 8, 2 * NC * W, [&] {
-                   return k->ChunkScan(plan, span, D, cd, Tensor(), &S_in, &span_state,
-                                       &span_decay, nullptr);
-                 }});
   fwd.push_back({"ProfilePooling", nd * (r + dv) * es + BH * P * W * 4, 2 * nd * W, [&] {
                    return k->ProfilePooling(plan, span, psi, v, lam, cd, Tensor(), &F, nullptr);
                  }});
   fwd.push_back({"Tabulate", BH * (P + Bt) * W * 4, BH * nnz * W,
                  [&] { return k->Tabulate(plan, F, &U, nullptr); }});
-  // The outputs as SmatForward computes them (kernels/smat.cc): the reads of
-  // the recent tokens, then the chunk-local part, the sum and the division.
-  const double out_bytes = N * (2 * r + dv) * es + gate_bytes + NC * W * 4;
   fwd.push_back({"TypeReads (=)", nr * (r * es + p * 4) + BH * Bt * W * 4, 2 * nr * W, [&] {
                    return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &reads,
                                        SmatWrite::kAssign, nullptr);
                  }});
-  fwd.push_back({"NormalizedOutputs", out_bytes + nr * p * 4 + N * (dv * es + 4),
-                 N * c * (r + p) + 2 * N * W + N * dv, [&] {
-                   return k->NormalizedOutputs(plan, span, phi, psi, v, lam, S_in, reads, eps, &o,
-                                               &den, nullptr);
-                 }});
+  if (walks) {
+    fwd.push_back(
+        {"ChunkStatesAndOutputs",
+         N * (r + dv) * es + N * (2 * r + dv) * es + NC * W * 4 + nr * p * 4 + N * (dv * es + 4),
+         N * c * (r + p) + 4 * N * W + N * dv, walk});
+  } else {
+    fwd.insert(fwd.end(), states.begin(), states.end());
+  }
   // The same outputs as three phases with ybar in memory (the sequence-parallel
   // composer's order, which overlaps the table's all-reduce with ChunkOutputs):
   // timed for comparison, not part of the forward.
@@ -267,6 +289,12 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   double fwd_total = 0;
   SMAT_RETURN_IF_ERROR(TimeChain(gpu, fwd, warmup, reps, &fwd_ms, &fwd_total));
   PrintTable("forward", fwd, fwd_ms, fwd_total, ceil);
+  if (walks) {
+    std::vector<double> states_ms;
+    double states_total = 0;
+    SMAT_RETURN_IF_ERROR(TimeChain(gpu, states, warmup, reps, &states_ms, &states_total));
+    PrintTable("states and outputs in 3 phases", states, states_ms, states_total, ceil);
+  }
   {
     std::vector<double> three_ms;
     double three_total = 0;

@@ -243,6 +243,40 @@ class CudaSmatKernels final : public SmatKernels {
         "NormalizedOutputs division kernel");
   }
 
+  absl::StatusOr<bool> ChunkStatesAndOutputs(const SmatPlan& plan, const SmatSpan& span,
+                                             const Tensor& phi, const Tensor& psi, const Tensor& v,
+                                             const Tensor& lam, const Tensor& chunk_decay,
+                                             const Tensor& incoming, const Tensor& reads, float eps,
+                                             Tensor* S_in, Tensor* o, Tensor* den,
+                                             Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(incoming, {d.batch, 2, d.H, d.r, d.p}, "incoming"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    if (o == nullptr || !o->defined() || o->device() != Device::Cuda(device_) ||
+        (o->dtype() != DType::kF32 && o->dtype() != phi.dtype())) {
+      return absl::InvalidArgumentError(
+          "smat cuda: o must be a tensor on the GPU of phi's dtype or fp32");
+    }
+    SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(den, {d.batch, d.L, d.H}, "den"));
+    // The walk carries ungated states into the bf16 outputs of the fused tile.
+    if (lam.defined() || o->dtype() != DType::kBF16 || !SmatNormalizedOutputsFused(d)) {
+      return false;
+    }
+    CudaScratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(float* work, scratch.Get<float>(SmatChunkWalkScratchFloats(d)));
+    const int64_t recent_begin = span.recent_begin(plan) - span.t0;
+    SMAT_RETURN_IF_ERROR(
+        CudaStatus(LaunchSmatChunkWalk(d, phi.raw(), psi.raw(), v.raw(), F32(incoming), F32(reads),
+                                       recent_begin, eps, F32(S_in), o->raw(), F32(den), work, s),
+                   "ChunkStatesAndOutputs kernels"));
+    return true;
+  }
+
   // --------------------------------------------------------------- backward
   absl::Status NormalizeBackward(const Tensor& d_o, const Tensor& o, const Tensor& den, float eps,
                                  Tensor* gbar, Tensor* dlam_row, Stream* stream) override {

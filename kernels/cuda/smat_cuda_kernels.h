@@ -298,6 +298,20 @@ cudaError_t LaunchSmatNormalizedOutputsFused(const SmatCudaDims& dims, const voi
                                              cudaStream_t stream);
 bool SmatNormalizedOutputsFusedFits(const SmatCudaDims& dims);
 
+// F2 + F3 + NormalizedOutputs in one walk over the chunks (smat_chunk_fwd_mma.cu,
+// SmatKernels::ChunkStatesAndOutputs), for ungated bf16 inputs wherever
+// SmatNormalizedOutputsFused holds: the states entering the chunks from
+// `incoming` ([batch, 2, H, r, p] or null: zero) and the summaries of the
+// span's tokens, written to S_in (if not null) as ChunkScan writes them, and
+// o and den as LaunchSmatNormalizedOutputsFused writes them from those states.
+// scratch: SmatChunkWalkScratchFloats(dims) floats (the segments' totals and
+// entering states).
+int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& dims);
+cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& dims, const void* phi, const void* psi,
+                                const void* v, const float* incoming, const float* reads,
+                                int64_t recent_begin, float eps, float* S_in, void* o, float* den,
+                                float* scratch, cudaStream_t stream);
+
 // ---- smat_chunk_bwd_mma.cu ------------------------------------------------------
 
 // B7 for bf16 inputs as one tensor-core kernel (phi_bar, psi_bar and v_bar

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -148,6 +149,12 @@ std::vector<Case> Cases() {
   // tile of tokens on average, as d = 1's single type does) at the
   // benchmark's widths, gated, from a span inside the sequence.
   add(1, 2000, 2, 64, 64, 1, 128, true, false, 0.0, true, 128, 20);
+  // ChunkStatesAndOutputs' walk (ungated bf16): many chunks, so that each
+  // part is walked in several segments with a partial last one and a partial
+  // last chunk; and r, dv off the constant widths (dv = 33 staged one element
+  // at a time) with incoming states from a span inside the sequence.
+  add(1, 4700, 2, 64, 64, 2, 32, false, false, 0.0, true, 0, 21);
+  add(2, 2000, 2, 48, 33, 1, 128, false, false, 1e-3, true, 384, 22);
   return cs;
 }
 
@@ -253,6 +260,7 @@ class SmatGpuTest : public GpuTest {};
 TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
   SMAT_ASSERT_OK_AND_ASSIGN(SmatKernels * ck, cpu_->smat());
   SMAT_ASSERT_OK_AND_ASSIGN(SmatKernels * gk, gpu_->smat());
+  int walked_cases = 0;  // cases that ran ChunkStatesAndOutputs' walk
   for (const Case& cs : Cases()) {
     const ProblemSpec& sp = cs.spec;
     SCOPED_TRACE(CaseName(cs));
@@ -443,6 +451,59 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       }
       pb.Compare("NormalizedOutputs", "o_fused", cs.bf16 ? kBf16OutTol : tol, true);
       pb.Compare("NormalizedOutputs", "den_fused", tol, true);
+
+      // F2 + F3 + NormalizedOutputs in one walk (ChunkStatesAndOutputs): the
+      // CPU runs the three phases from non-negative incoming states; the GPU
+      // walks where it can (ungated bf16 inputs on the fused tiles, dv >= 32)
+      // and must say so, from NaN-poisoned S_in, o and den, twice for the bits.
+      put_abs("incoming", "incoming_pos");
+      pb.Out("D_w", {b, Lc, H, r, p});
+      pb.Out("S_in_w", {b, Lc, H, r, p});
+      pb.Out("span_state_w", {b, 2, H, r, p});
+      pb.Out("span_decay_w", {b, 2, H});
+      pb.Out("o_w", {b, L, H, dv});
+      pb.G("o_w") = Tensor::Empty({b, L, H, dv}, o_dev_host.dtype(), gpu_->allocator()).value();
+      SMAT_ASSERT_OK(gpu_->Fill(pb.G("o_w"), std::nan("")));
+      pb.Out("den_w", {b, L, H});
+      SMAT_ASSERT_OK(ck->ChunkSummaries(plan, span, pb.C("psi"), pb.C("v"), pb.CU("lam"),
+                                        pb.CU("chunk_decay"), &pb.C("D_w"), nullptr));
+      SMAT_ASSERT_OK(ck->ChunkScan(plan, span, pb.C("D_w"), pb.CU("chunk_decay"),
+                                   pb.C("incoming_pos"), &pb.C("S_in_w"), &pb.C("span_state_w"),
+                                   &pb.C("span_decay_w"), nullptr));
+      SMAT_ASSERT_OK(ck->NormalizedOutputs(plan, span, pb.C("phi"), pb.C("psi"), pb.C("v"),
+                                           pb.CU("lam"), pb.C("S_in_w"), pb.C("reads"), eps,
+                                           &pb.C("o_w"), &pb.C("den_w"), nullptr));
+      auto walk = [&](Tensor* S, Tensor* o, Tensor* den) {
+        return gk->ChunkStatesAndOutputs(plan, span, pb.G("phi"), pb.G("psi"), pb.G("v"),
+                                         pb.GU("lam"), pb.GU("chunk_decay"), pb.G("incoming_pos"),
+                                         pb.G("reads"), eps, S, o, den, nullptr);
+      };
+      SMAT_ASSERT_OK_AND_ASSIGN(const bool walked,
+                                walk(&pb.G("S_in_w"), &pb.G("o_w"), &pb.G("den_w")));
+      const char* tiles = std::getenv("SMAT_CUDA_CHUNK_TILES");
+      const bool default_tiles =
+          tiles == nullptr || *tiles == '\0' || std::strcmp(tiles, "mma") == 0;
+      const bool walks = cs.bf16 && !gated && r <= 64 && dv >= 32 && dv <= 64 && sp.chunk <= 128;
+      if (default_tiles) {
+        EXPECT_EQ(walked, walks) << "ChunkStatesAndOutputs";
+      }
+      if (walked) {
+        ++walked_cases;
+        Tensor S2 = empty({b, Lc, H, r, p}, DType::kF32), den2 = empty({b, L, H}, DType::kF32);
+        Tensor o2 = empty({b, L, H, dv}, o_dtype);
+        SMAT_ASSERT_OK_AND_ASSIGN(const bool again, walk(&S2, &o2, &den2));
+        EXPECT_TRUE(again);
+        for (const auto& [what, first, second] :
+             {std::tuple{"S_in", &pb.G("S_in_w"), &S2}, std::tuple{"o", &pb.G("o_w"), &o2},
+              std::tuple{"den", &pb.G("den_w"), &den2}}) {
+          const Tensor x = ToHost(*gpu_, *first).value(), y = ToHost(*gpu_, *second).value();
+          EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
+              << what << ": two ChunkStatesAndOutputs calls differ";
+        }
+        pb.Compare("ChunkStatesAndOutputs", "S_in_w", tol, true);
+        pb.Compare("ChunkStatesAndOutputs", "o_w", cs.bf16 ? kBf16OutTol : tol, true);
+        pb.Compare("ChunkStatesAndOutputs", "den_w", tol, true);
+      }
     }
     // Backward starts from the CPU's fp32 o on both sides.
     pb.Put("o", pb.C("o"));
@@ -573,6 +634,10 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       pb.Compare("LogDecayBackward", "span_sum", tol, true);
     }
     if (::testing::Test::HasFatalFailure()) return;
+  }
+  const char* tiles = std::getenv("SMAT_CUDA_CHUNK_TILES");
+  if (tiles == nullptr || *tiles == '\0') {
+    EXPECT_GE(walked_cases, 4) << "the walk of ChunkStatesAndOutputs ran on too few cases";
   }
 }
 
