@@ -186,6 +186,13 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
         }
     }
   }
+  // With the widths as constants the last n-tile of the right halves
+  // (columns 64-71) holds only vbar's ones column (dv = 64): its causal part
+  // is the row sum of the score tiles X, added in fp32 instead of kP MMAs
+  // and a load of vbar per tile (and the warps' work evens out: the right
+  // halves had 5 n-tiles against the left halves' 4).
+  constexpr bool kOnesBySums = kFull && kN0 + kNt == 9;
+  float ones[2] = {0.f, 0.f};  // this lane's part of rows g, g + 8
   // Causal sum over key blocks j <= i.
   for (int j = 0; j <= i; ++j) {
     float sc[2][4];
@@ -209,10 +216,17 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
         }
     }
     MaskQueryTile(bk, i, j, g, tq, sc);
+    if (kOnesBySums) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ones[e >> 1] += sc[nt][e];
+    }
     uint32_t xa[kP][4];
     SplitTileParts<kP>(sc, xa);
 #pragma unroll
     for (int np = 0; np < kPairs; ++np) {
+      if (kOnesBySums && np == kPairs - 1) continue;
       uint32_t bv[4];
       Ldsm4T(bv, bk.Addr(kV * kTile, 16 * j, 8 * kN0 + 16 * np, bk.off_bt));
 #pragma unroll
@@ -220,6 +234,17 @@ __device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCuda
         if (2 * np + h2 >= kNt) continue;
         MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bv[2 * h2], bv[2 * h2 + 1]);
       }
+    }
+  }
+  if (kOnesBySums) {
+    // Column dv = 64 (lanes tq = 0, first of their pair) of the causal sum:
+    // the row sums of the quad's parts, in a fixed order.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float x = ones[hr];
+      x += __shfl_xor_sync(0xffffffffu, x, 1);
+      x += __shfl_xor_sync(0xffffffffu, x, 2);
+      if (tq == 0) hi[kNt - 1][2 * hr] += x;
     }
   }
   if (!kNorm) {
