@@ -480,6 +480,11 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
 // + x3 exact in fp32): the planes the products read are the state itself.
 // The update's products are exact (bf16 operands) and accumulate in fp32 onto
 // the state. Ungated only: gated inputs keep the three phases.
+// Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
+// 2026-12-01): 2.09 ms (the totals 0.30 ms, the walk about 1.8 ms) against
+// 2.27 ms for ChunkSummaries, ChunkScan and NormalizedOutputs. The walk, like
+// the tile it runs, is bound by shared-memory traffic and instruction issue
+// (L1 at 76% of its peak, DRAM at 37%), not by its 6.0 GB.
 
 // How a span's chunks split into the segments walked by one block each: the
 // distant chunks [0, N) in seg_d segments of len_d chunks, the recent chunks
