@@ -509,8 +509,8 @@ __device__ __forceinline__ void SegmentChunks(const WalkSegments& ws, int Lc, in
   }
 }
 
-// The 16 chunk tokens' products psi^T vbar added to the state's m16n8 tiles
-// that warp w holds: rows 16 mb .. + 15 (mb = w % 4), n-tiles kN0 .. kN0 +
+// The chunk's products psi^T vbar (16 tokens per MMA step) added to the
+// state's m16n8 tiles that warp w holds: rows 16 mb .. + 15 (mb = w % 4), n-tiles kN0 .. kN0 +
 // kNt - 1 (0-4 for w < 4, 5-8 otherwise: columns 0-71 cover p <= 65). A =
 // psi^T from the token-major psi tile (ldmatrix .trans), B = vbar (.trans).
 template <int kN0, int kNt, bool kFull>
