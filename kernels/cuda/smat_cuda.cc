@@ -214,13 +214,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
                           args_.ChunkOutputDims(plan, span, phi, psi, v, lam, S_in));
     SMAT_RETURN_IF_ERROR(args_.CheckF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
-    if (o == nullptr || !o->defined() || o->device() != Device::Cuda(device_) ||
-        (o->dtype() != DType::kF32 && o->dtype() != phi.dtype())) {
-      return absl::InvalidArgumentError(
-          "smat cuda: o must be a tensor on the GPU of phi's dtype or fp32");
-    }
-    SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
-    SMAT_RETURN_IF_ERROR(args_.CheckOut(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(CheckNormalizedOutputs(d, phi, o, den));
     const int64_t recent_begin = span.recent_begin(plan) - span.t0;
     const bool o_bf16 = o->dtype() == DType::kBF16;
     if (o_bf16 && SmatNormalizedOutputsFused(d)) {
@@ -256,13 +250,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(incoming, {d.batch, 2, d.H, d.r, d.p}, "incoming"));
     SMAT_RETURN_IF_ERROR(args_.CheckF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
-    if (o == nullptr || !o->defined() || o->device() != Device::Cuda(device_) ||
-        (o->dtype() != DType::kF32 && o->dtype() != phi.dtype())) {
-      return absl::InvalidArgumentError(
-          "smat cuda: o must be a tensor on the GPU of phi's dtype or fp32");
-    }
-    SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
-    SMAT_RETURN_IF_ERROR(args_.CheckOut(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(CheckNormalizedOutputs(d, phi, o, den));
     // The walk carries ungated states into the bf16 outputs of the fused tile.
     if (lam.defined() || o->dtype() != DType::kBF16 || !SmatNormalizedOutputsFused(d)) {
       return false;
@@ -533,6 +521,18 @@ class CudaSmatKernels final : public SmatKernels {
   absl::StatusOr<cudaStream_t> Enter(Stream* stream) {
     SMAT_RETURN_IF_ERROR(UseDevice(device_));
     return stream_of_(stream);
+  }
+
+  // o ([batch, L, H, dv] on this GPU, phi's dtype or fp32) and den.
+  absl::Status CheckNormalizedOutputs(const SmatCudaDims& d, const Tensor& phi, Tensor* o,
+                                      Tensor* den) const {
+    if (o == nullptr || !o->defined() || o->device() != Device::Cuda(device_) ||
+        (o->dtype() != DType::kF32 && o->dtype() != phi.dtype())) {
+      return absl::InvalidArgumentError(
+          "smat cuda: o must be a tensor on the GPU of phi's dtype or fp32");
+    }
+    SMAT_RETURN_IF_ERROR(CheckShape(*o, {d.batch, d.L, d.H, d.dv}, "o"));
+    return args_.CheckOut(den, {d.batch, d.L, d.H}, "den");
   }
 
   absl::StatusOr<int> ChunkTile(const SmatCudaDims& d, bool keys) const {
