@@ -298,8 +298,10 @@ cudaError_t LaunchSmatNormalizedOutputsFused(const SmatCudaDims& dims, const voi
                                              cudaStream_t stream);
 bool SmatNormalizedOutputsFusedFits(const SmatCudaDims& dims);
 
-// F2 + F3 + NormalizedOutputs in one walk over the chunks (smat_chunk_fwd_mma.cu,
-// SmatKernels::ChunkStatesAndOutputs), for ungated bf16 inputs wherever
+// ---- smat_chunk_walk.cu ---------------------------------------------------------
+
+// F2 + F3 + NormalizedOutputs in one walk over the chunks
+// (SmatKernels::ChunkStatesAndOutputs), for ungated bf16 inputs wherever
 // SmatNormalizedOutputsFused holds: the states entering the chunks from
 // `incoming` ([batch, 2, H, r, p] or null: zero) and the summaries of the
 // span's tokens, written to S_in (if not null) as ChunkScan writes them, and

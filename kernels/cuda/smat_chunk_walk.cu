@@ -1,0 +1,416 @@
+// F2 + F3 + NormalizedOutputs in one walk over the chunks for ungated bf16
+// inputs (LaunchSmatChunkWalk, SmatKernels::ChunkStatesAndOutputs).
+//
+// The chunks' entering states S_in never go through memory to be read: one
+// block walks a run of consecutive chunks of one (b, h) and carries the state
+// in shared memory from chunk to chunk. Three launches:
+//   1. ChunkTotalsKernel: per sub-segment (kSub per walked segment) the sum
+//      of psi_s vbar_s^T over its tokens (the summaries of several chunks at
+//      once; only their totals are written);
+//   2. WalkStartsKernel: the exclusive sums of those totals in chunk order,
+//      separately in the distant and the recent part, from `incoming` (or
+//      zero): the state entering each walked segment;
+//   3. ChunkWalkKernel: from its segment's state, per chunk, S_in[k] out (if
+//      wanted), the chunk's outputs as the kNorm forward tile computes them
+//      (QueryRows, FinishLeftHalves), then S += psi^T vbar over the chunk.
+// The state waits between chunks as three bf16 planes, which hold an fp32
+// value exactly (x = x1 + x2 + x3, 8 significant bits each, x1 + x2 and then
+// + x3 exact in fp32): the planes the products read are the state itself.
+// The update's products are exact (bf16 operands) and accumulate in fp32 onto
+// the state. Ungated only: gated inputs keep the three phases.
+//
+// Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
+// 2026-12-01): 2.09 ms (the totals 0.30 ms, the walk about 1.8 ms) against
+// 2.27 ms for ChunkSummaries, ChunkScan and NormalizedOutputs. The walk, like
+// the tile it runs, is bound by shared-memory traffic and instruction issue
+// (L1 at 76% of its peak, DRAM at 37%), not by its 6.0 GB.
+//
+// The tile the walk runs, its block shape and its pieces:
+// smat_chunk_fwd_mma.cuh.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/smat_chunk_fwd_mma.cuh"
+#include "kernels/cuda/smat_cuda_kernels.h"
+#include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_fast_tiles.cuh"
+#include "kernels/cuda/smat_mma.cuh"
+
+namespace smat {
+namespace {
+
+using namespace chunk_fwd_mma;  // NOLINT: the tile's shared pieces
+
+// How a span's chunks split into the segments walked by one block each: the
+// distant chunks [0, N) in seg_d segments of len_d chunks, the recent chunks
+// [N, Lc) in seg_r segments of len_r (the last of each part may hold fewer).
+// Both lengths are multiples of kSub, each segment's totals come in kSub
+// sub-segments of len / kSub chunks.
+struct WalkSegments {
+  int N, seg_d, len_d, seg_r, len_r;
+};
+constexpr int kSub = 4;
+constexpr int kMinWalk = 8;  // chunks: shorter walks leave too little to carry
+
+// Chunks [*k0, *k1) of segment s (empty past the part's end).
+__device__ __forceinline__ void SegmentChunks(const WalkSegments& ws, int Lc, int s, int* k0,
+                                              int* k1) {
+  if (s < ws.seg_d) {
+    *k0 = s * ws.len_d;
+    *k1 = min(ws.N, *k0 + ws.len_d);
+  } else {
+    *k0 = ws.N + (s - ws.seg_d) * ws.len_r;
+    *k1 = min(Lc, *k0 + ws.len_r);
+  }
+}
+
+// The chunk's products psi^T vbar (16 tokens per MMA step) added to the
+// state's m16n8 tiles that warp w holds: rows 16 mb .. + 15 (mb = w % 4), n-tiles kN0 .. kN0 +
+// kNt - 1 (0-4 for w < 4, 5-8 otherwise: columns 0-71 cover p <= 65). A =
+// psi^T from the token-major psi tile (ldmatrix .trans), B = vbar (.trans).
+template <int kN0, int kNt, bool kFull>
+__device__ __forceinline__ void StateProducts(const Block<kFull>& bk, int mb,
+                                              float (&acc)[kNt][4]) {
+  constexpr int kPairs = (kNt + 1) / 2;
+  for (int ks = 0; ks < bk.nb; ++ks) {
+    uint32_t a[4];
+    Ldsm4T(a, bk.Addr(kPsi * kTile, 16 * ks, 16 * mb, bk.off_bn));
+#pragma unroll
+    for (int np = 0; np < kPairs; ++np) {
+      uint32_t bv[4];
+      Ldsm4T(bv, bk.Addr(kV * kTile, 16 * ks, 8 * kN0 + 16 * np, bk.off_bt));
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        if (2 * np + h2 >= kNt) continue;
+        Mma(acc[2 * np + h2], a, bv[2 * h2], bv[2 * h2 + 1]);
+      }
+    }
+  }
+}
+
+// S += psi^T vbar for the warp's tiles of the state held in the three planes:
+// read exactly, the products added, split back.
+template <int kN0, int kNt, bool kFull>
+__device__ __forceinline__ void UpdateState(const Block<kFull>& bk, int mb) {
+  if (16 * mb >= bk.r()) return;
+  __nv_bfloat16* const planes = bk.base + kOffS;
+  float acc[kNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const __nv_bfloat16* at =
+          planes + (16 * mb + bk.g + 8 * hr) * kLd + 8 * (kN0 + nt) + 2 * bk.tq;
+      float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+      for (int q = 0; q < 3; ++q) {
+        const __nv_bfloat162 y = *reinterpret_cast<const __nv_bfloat162*>(at + q * kPlane);
+        x0 += __low2float(y);
+        x1 += __high2float(y);
+      }
+      acc[nt][2 * hr] = x0;
+      acc[nt][2 * hr + 1] = x1;
+    }
+  StateProducts<kN0, kNt>(bk, mb, acc);
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      __nv_bfloat16* at = planes + (16 * mb + bk.g + 8 * hr) * kLd + 8 * (kN0 + nt) + 2 * bk.tq;
+      StoreSplitPair<3>(at, kPlane, acc[nt][2 * hr], acc[nt][2 * hr + 1]);
+    }
+}
+
+// S_in[k] (r x p fp32, row-major) from the planes, consecutive threads on
+// consecutive floats.
+template <bool kFull>
+__device__ __forceinline__ void WriteState(const Block<kFull>& bk, float* __restrict__ out) {
+  const int p = bk.p(), n = bk.r() * p;
+  const __nv_bfloat16* planes = bk.base + kOffS;
+  for (int e = threadIdx.x; e < n; e += kThreads) {
+    const int row = e / p;
+    const __nv_bfloat16* at = planes + row * kLd + (e - row * p);
+    out[e] =
+        (__bfloat162float(at[0]) + __bfloat162float(at[kPlane])) + __bfloat162float(at[2 * kPlane]);
+  }
+}
+
+// Stages chunk k's psi and vbar (and with kPhi phi) of (b, h); returns the
+// chunk's tokens. The ones column of vbar: with kFull in columns the staging
+// never writes (64-71), so before the wait; otherwise after it, between two
+// barriers. Ends with the block's barrier.
+template <bool kWithPhi, bool kFull>
+__device__ __forceinline__ int StageChunk(const SmatCudaDims& d, bool vec_in, int b, int h, int k,
+                                          const __nv_bfloat16* __restrict__ phi,
+                                          const __nv_bfloat16* __restrict__ psi,
+                                          const __nv_bfloat16* __restrict__ v, int r, int dv,
+                                          __nv_bfloat16* base) {
+  const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
+  const int64_t tok = TokenRow(d, b, c0, h);
+  const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
+  if (kWithPhi) {
+    StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, stride_r, r, ce, vec_in,
+                                         base + kPhi * kTile);
+  }
+  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, stride_r, r, ce, vec_in, base + kPsi * kTile);
+  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
+  auto ones = [&] {
+    for (int e = threadIdx.x; e < kC * (kLd - dv); e += kThreads) {
+      const int t = e / (kLd - dv), n = dv + (e - t * (kLd - dv));
+      base[kV * kTile + t * kLd + n] = __float2bfloat16_rn(t < ce && n == dv ? 1.f : 0.f);
+    }
+  };
+  if (kFull) ones();
+  if (vec_in) CpAsyncWaitAll();
+  __syncthreads();
+  if (!kFull) {
+    ones();
+    __syncthreads();
+  }
+  return ce;
+}
+
+// grid (batch * H, segments * kSub), kThreads threads, kOffS * 2 bytes of
+// shared memory: totals[(bh, segment, sub)] (r x p) = sum over the
+// sub-segment's tokens of psi vbar^T (0 for an empty one).
+template <bool kFull>
+__global__ void __launch_bounds__(kThreads)
+    ChunkTotalsKernel(SmatCudaDims d, bool vec_in, WalkSegments ws,
+                      const __nv_bfloat16* __restrict__ psi, const __nv_bfloat16* __restrict__ v,
+                      float* __restrict__ totals) {
+  extern __shared__ float4 smem4[];
+  __nv_bfloat16* base = reinterpret_cast<__nv_bfloat16*>(smem4);
+  const TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
+  if (kFull) vec_in = true;
+  const int bh = blockIdx.x, u = blockIdx.y, s = u / kSub, j = u - s * kSub;
+  const int b = bh / d.H, h = bh - b * d.H;
+  int K0, K1;
+  SegmentChunks(ws, d.Lc, s, &K0, &K1);
+  const int len = (s < ws.seg_d ? ws.len_d : ws.len_r) / kSub;
+  const int k0 = K0 + j * len, k1 = min(K1, k0 + len);
+  Block<kFull> bk = MakeBlock<kFull>(base, r, dv);
+  const int w = threadIdx.x >> 5, mb = w & 3;
+  float acc0[5][4], acc1[4][4];
+  cuda_detail::ZeroAcc(acc0);
+  cuda_detail::ZeroAcc(acc1);
+  for (int k = k0; k < k1; ++k) {
+    const int ce = StageChunk<false, kFull>(d, vec_in, b, h, k, nullptr, psi, v, r, dv, base);
+    bk.ce = ce;
+    bk.nb = (ce + 15) >> 4;
+    if (16 * mb < r) {
+      if (w < 4) {
+        StateProducts<0, 5>(bk, mb, acc0);
+      } else {
+        StateProducts<5, 4>(bk, mb, acc1);
+      }
+    }
+    __syncthreads();  // the tiles are staged again
+  }
+  float* out = totals + (static_cast<int64_t>(bh) * gridDim.y + u) * r * p;
+  auto store = [&](auto& acc, int n0) {
+#pragma unroll
+    for (int nt = 0; nt < static_cast<int>(sizeof(acc) / sizeof(acc[0])); ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * mb + bk.g + 8 * (e >> 1), col = 8 * (n0 + nt) + 2 * bk.tq + (e & 1);
+        if (row < r && col < p) out[row * p + col] = acc[nt][e];
+      }
+  };
+  if (w < 4) {
+    store(acc0, 0);
+  } else {
+    store(acc1, 5);
+  }
+}
+
+// grid (ceil(r p / 256), batch * H), 256 threads: starts[(bh, segment)] = the
+// state entering the segment, per part incoming[b, part, h] (or 0) plus the
+// totals of the part's earlier sub-segments, added in chunk order.
+__global__ void WalkStartsKernel(SmatCudaDims d, WalkSegments ws,
+                                 const float* __restrict__ incoming,
+                                 const float* __restrict__ totals, float* __restrict__ starts) {
+  const int64_t W = static_cast<int64_t>(d.r) * d.p;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (w >= W) return;
+  const int bh = blockIdx.y, b = bh / d.H, h = bh - b * d.H;
+  const int segs = ws.seg_d + ws.seg_r;
+  for (int part = 0; part < 2; ++part) {
+    const int s0 = part == 0 ? 0 : ws.seg_d, s1 = part == 0 ? ws.seg_d : segs;
+    float Y = incoming != nullptr
+                  ? incoming[((static_cast<int64_t>(b) * 2 + part) * d.H + h) * W + w]
+                  : 0.f;
+    for (int s = s0; s < s1; ++s) {
+      const int64_t row = static_cast<int64_t>(bh) * segs + s;
+      starts[row * W + w] = Y;
+      float t[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) t[j] = totals[(row * kSub + j) * W + w];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) Y += t[j];
+    }
+  }
+}
+
+// grid (batch * H, segments), kThreads threads, kSmemNormBytes of shared
+// memory: the walk (see above). kP: the parts of the state and of the score
+// tiles in the products (the planes always hold three).
+template <bool kFull, int kP>
+__global__ void __launch_bounds__(kThreads, 2)
+    ChunkWalkKernel(SmatCudaDims d, bool vec_in, WalkSegments ws,
+                    const __nv_bfloat16* __restrict__ phi, const __nv_bfloat16* __restrict__ psi,
+                    const __nv_bfloat16* __restrict__ v, const float* __restrict__ starts,
+                    float* __restrict__ S_in, Outputs out) {
+  extern __shared__ float4 smem4[];
+  __nv_bfloat16* base = reinterpret_cast<__nv_bfloat16*>(smem4);
+  const int tid = threadIdx.x;
+  const TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
+  if (kFull) vec_in = true;
+  const int bh = blockIdx.x, s = blockIdx.y;
+  const int b = bh / d.H, h = bh - b * d.H;
+  int k0, k1;
+  SegmentChunks(ws, d.Lc, s, &k0, &k1);
+  const int64_t W = static_cast<int64_t>(r) * p;
+  StageState<3>(starts + (static_cast<int64_t>(bh) * gridDim.y + s) * W, r, p, base + kOffS);
+  if (tid < kC) {
+    float* lam_s = reinterpret_cast<float*>(base + kOffTokens);
+    lam_s[tid] = 0.f;       // ungated: lam = 0,
+    lam_s[kC + tid] = 1.f;  // wq = exp(lam) = 1
+  }
+  Block<kFull> bk = MakeBlock<kFull>(base, r, dv);
+  const int w = tid >> 5;
+  for (int k = k0; k < k1; ++k) {
+    const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
+    if (out.reads != nullptr && c0 >= out.recent_begin) {
+      // As ChunkForwardFusedKernel: the reads rows in L2 before the epilogue.
+      const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
+      const int64_t tok = TokenRow(d, b, c0, h);
+      for (int e = tid; e < 3 * ce; e += kThreads) {
+        const int m = e / 3, piece = e - 3 * m;
+        const char* row = reinterpret_cast<const char*>(out.reads + (tok + int64_t{m} * d.H) * p);
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(row + 128 * piece));
+      }
+    }
+    bk.ce = StageChunk<true, kFull>(d, vec_in, b, h, k, phi, psi, v, r, dv, base);
+    bk.nb = (bk.ce + 15) >> 4;
+    if (S_in != nullptr) WriteState(bk, S_in + ChunkRow(d, b, k, h) * W);
+    if (w < bk.nb) QueryRows<false, true, 0, 4, kP>(bk, d, b, h, c0, w, out);
+    if (7 - w < bk.nb && p > 32) QueryRows<false, true, 4, 5, kP>(bk, d, b, h, c0, 7 - w, out);
+    __syncthreads();  // the planes are read; every left half is in shared memory
+    if (w < 4) {
+      UpdateState<0, 5>(bk, w & 3);
+    } else {
+      UpdateState<5, 4>(bk, w & 3);
+    }
+    FinishLeftHalves(bk, d, b, h, c0, out);
+    __syncthreads();  // the tiles and the left halves are free again
+  }
+}
+
+// The segments of a walk over `d`'s span: one block per SM for each of
+// two resident per SM (a single wave), at least kMinWalk chunks each.
+WalkSegments PlanWalk(const SmatCudaDims& d, int sms) {
+  WalkSegments ws{};
+  const int64_t first = d.t0 / d.chunk, n_chunks = d.n / d.chunk;
+  ws.N = static_cast<int>(std::min<int64_t>(d.Lc, std::max<int64_t>(0, n_chunks - first)));
+  const int Nd = ws.N, Nr = d.Lc - ws.N;
+  const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
+  const int want =
+      static_cast<int>(std::max<int64_t>(1, 2 * int64_t{sms} / std::max<int64_t>(1, bh)));
+  auto split = [](int chunks, int segs, int* count, int* len) {
+    if (chunks == 0) {
+      *count = 0;
+      *len = kSub;
+      return;
+    }
+    int l = std::max(kMinWalk, (chunks + segs - 1) / std::max(1, segs));
+    l = (l + kSub - 1) / kSub * kSub;
+    *len = l;
+    *count = (chunks + l - 1) / l;
+  };
+  int want_d = Nd == 0 ? 0 : Nr == 0 ? want : static_cast<int>(int64_t{want} * Nd / d.Lc);
+  want_d = Nd == 0 ? 0 : std::max(1, want_d);
+  split(Nd, want_d, &ws.seg_d, &ws.len_d);
+  split(Nr, std::max(1, want - want_d), &ws.seg_r, &ws.len_r);
+  return ws;
+}
+
+template <bool kFull, int kP>
+cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, const void* phi,
+                       const void* psi, const void* v, const float* incoming, float* totals,
+                       float* starts, float* S_in, const Outputs& out, cudaStream_t stream) {
+  const int segs = ws.seg_d + ws.seg_r;
+  const unsigned bh = static_cast<unsigned>(d.batch * d.H);
+  auto bf = [](const void* x) { return static_cast<const __nv_bfloat16*>(x); };
+  {
+    auto kernel = ChunkTotalsKernel<kFull>;
+    constexpr int kBytes = kOffS * 2;
+    cudaError_t err = AllowSharedMemory(kernel, kBytes);
+    if (err != cudaSuccess) return err;
+    kernel<<<dim3(bh, static_cast<unsigned>(segs * kSub)), kThreads, kBytes, stream>>>(
+        d, vec, ws, bf(psi), bf(v), totals);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  {
+    const int64_t W = static_cast<int64_t>(d.r) * d.p;
+    WalkStartsKernel<<<dim3(static_cast<unsigned>((W + 255) / 256), bh), 256, 0, stream>>>(
+        d, ws, incoming, totals, starts);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  auto kernel = ChunkWalkKernel<kFull, kP>;
+  const cudaError_t err = AllowSharedMemory(kernel, kSmemNormBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(bh, static_cast<unsigned>(segs)), kThreads, kSmemNormBytes, stream>>>(
+      d, vec, ws, bf(phi), bf(psi), bf(v), starts, S_in, out);
+  return cudaGetLastError();
+}
+
+int DeviceSms() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    return 1;
+  }
+  return std::max(1, sms);
+}
+
+}  // namespace
+
+int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& d) {
+  const WalkSegments ws = PlanWalk(d, DeviceSms());
+  return static_cast<int64_t>(d.batch) * d.H * (ws.seg_d + ws.seg_r) * (kSub + 1) * d.r * d.p;
+}
+
+cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const void* psi,
+                                const void* v, const float* incoming, const float* reads,
+                                int64_t recent_begin, float eps, float* S_in, void* o, float* den,
+                                float* scratch, cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  const WalkSegments ws = PlanWalk(d, DeviceSms());
+  const int64_t starts_floats =
+      static_cast<int64_t>(d.batch) * d.H * (ws.seg_d + ws.seg_r) * d.r * d.p;
+  float* starts = scratch;
+  float* totals = scratch + starts_floats;
+  const Outputs out{nullptr, reads, recent_begin, eps, static_cast<__nv_bfloat16*>(o), den};
+  const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
+                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
+  const bool full = vec && d.r == kW && d.dv == kW;
+  const bool three = SmatBf16SplitParts() == 3;
+  if (full) {
+    return three ? LaunchWalk<true, 3>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
+                                       stream)
+                 : LaunchWalk<true, 2>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
+                                       stream);
+  }
+  return three ? LaunchWalk<false, 3>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
+                                      stream)
+               : LaunchWalk<false, 2>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
+                                      stream);
+}
+
+}  // namespace smat
