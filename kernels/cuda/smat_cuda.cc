@@ -4,7 +4,7 @@
 // counts, with smat_cuda_groups.h), keeps the incidence lists of Algorithm 2 on
 // the device (IncidenceCache), and launches the kernels of smat_scan.cu,
 // smat_grouped.cu, smat_tabulate.cu and smat_chunk.cu (and the fast tiles
-// they pick). Scratch memory is stream-ordered
+// they pick), and the walk of smat_chunk_walk.cu. Scratch memory is stream-ordered
 // (cudaMallocAsync / cudaFreeAsync on the call's stream), so calls on different
 // streams never share a buffer.
 #include "kernels/cuda/smat_cuda.h"
