@@ -1,0 +1,168 @@
+// The cases and host helpers the SMat GPU tests share: the phase-by-phase
+// comparison (smat_gpu_test.cc) and the whole op's (smat_op_gpu_test.cc).
+//
+// Tolerances. fp32: 1e-5 of the largest reference magnitude (the CPU phases
+// are fp32 too; the two differ only in summation order and expf vs std::exp,
+// a few ulp per term, well under 1e-6 for these sums: see smat_cpu_test.cc).
+// bf16: the device reads bf16 inputs and widens them exactly to fp32, and the
+// CPU runs on the same bf16-rounded values in fp32, so the same 1e-5 holds for
+// every fp32 result of a phase; only o itself is rounded to bf16 (relative
+// half-ulp 2^-9), checked at 2^-8. The tensor-core tiles keep the 1e-5: bf16
+// inputs enter the bf16 MMAs exactly, and every fp32 operand (fp32 inputs,
+// gbar, S_in, D_bar, the score tile) is split into three bf16 parts whose
+// products down to 2^-16 relative are summed in fp32 (gpu_smat_parts2_test
+// runs the fused bf16 tiles with two parts, SMAT_CUDA_BF16_PARTS=2: measured
+// up to 5.8e-6 on an H200, 2026-12-01). The whole op's gradients with bf16 inputs
+// are computed from that bf16 o (kBf16OpGradTol below says how much that costs).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/tensor.h"
+#include "tests/kernels/smat_test_util.h"
+
+namespace smat {
+namespace smat_gpu_cases {
+
+using testing_util::ProblemSpec;
+
+inline constexpr double kF32Tol = 1e-5;
+inline constexpr double kBf16OutTol = 1.0 / 256;
+// The whole op's gradients with bf16 inputs: the composer stores o in bf16 and
+// backward reads it back, so gbar[dv] = -(d_o . o) / den carries o's rounding
+// (relative 2^-9) into d_phi, d_psi and d_logg, amplified where gbar . vbar
+// cancels (for the diagonal term it is d_o . (v - o) / den). Measured on an
+// H200 (2026-11-30): at most 8.8e-3 (d_logg, T = 1031, d = 2); d_v, which only
+// sees gbar[0:dv] = d_o / den, stays at 7e-7. The phase test, which starts
+// backward from the CPU's fp32 o, holds every phase to 1e-5 for bf16 too.
+inline constexpr double kBf16OpGradTol = 1.0 / 64;
+// Scale floor of the op-level comparison: a gradient whose entries are all far
+// below the O(1) inputs is rounding noise around an exact zero (T = 1: o = v
+// whatever phi and psi are, so d_phi = d_psi = 0), compared in absolute terms.
+inline constexpr double kGradScaleFloor = 0.1;
+
+struct Case {
+  ProblemSpec spec;
+  bool bf16 = false;
+  int64_t t0 = 0;  // span start (a multiple of chunk); the span ends at T
+};
+
+inline std::string CaseName(const Case& c) {
+  return absl::StrCat(c.spec.Name(), c.bf16 ? "_bf16" : "_fp32", "_t0_", c.t0);
+}
+
+inline std::vector<Case> Cases() {
+  std::vector<Case> cs;
+  auto add = [&](int64_t batch, int64_t T, int64_t H, int64_t r, int64_t dv, int d, int64_t c,
+                 bool gated, bool content, double eps, bool bf16, int64_t t0, uint64_t seed) {
+    Case k;
+    k.spec.batch = batch;
+    k.spec.T = T;
+    k.spec.H = H;
+    k.spec.r = r;
+    k.spec.dv = dv;
+    k.spec.d = d;
+    k.spec.chunk = c;
+    k.spec.gated = gated;
+    k.spec.content = content;
+    k.spec.eps = eps;
+    k.spec.seed = seed;
+    k.bf16 = bf16;
+    k.t0 = t0;
+    cs.push_back(k);
+  };
+  add(1, 1, 2, 5, 3, 1, 16, false, false, 0.0, false, 0, 1);
+  add(1, 63, 2, 60, 7, 2, 16, true, false, 0.0, false, 0, 2);
+  add(1, 127, 2, 8, 5, 2, 32, true, true, 1e-3, false, 0, 3);
+  add(1, 1000, 2, 60, 17, 3, 64, true, false, 0.0, false, 0, 4);
+  add(1, 1031, 2, 64, 64, 2, 128, true, false, 0.0, true, 0, 5);
+  add(1, 1031, 3, 60, 3, 1, 16, true, false, 1e-3, true, 0, 6);
+  add(2, 1000, 3, 16, 9, 2, 64, true, true, 0.0, false, 64, 7);
+  add(1, 1031, 2, 12, 6, 2, 32, false, false, 0.0, false, 320, 8);
+  add(1, 1000, 2, 20, 8, 3, 64, false, true, 0.0, true, 0, 9);
+  // The fast chunk tiles (smat_chunk_fast.cu: c <= 128, r, dv <= 64) at the
+  // benchmark's r = dv = 64 and c = 128 with a partial last chunk: fp32 over
+  // several heads and batches from a span inside the sequence, and bf16 with
+  // widths that fill only part of a 16-byte staging slot (24 = 3 x 8, 16).
+  add(2, 1031, 3, 64, 64, 2, 128, false, false, 0.0, false, 128, 10);
+  add(1, 700, 2, 24, 16, 1, 128, true, false, 0.0, true, 0, 11);
+  // The hardest case for split tensor-core products: fp32 and gated (every
+  // operand of every chunk product split, the score tile scaled by the gates).
+  add(1, 1031, 2, 64, 64, 2, 128, true, false, 0.0, false, 0, 12);
+  // The fused tensor-core B7 of bf16 inputs (smat_chunk_bwd_mma.cu): ungated
+  // over several heads and batches from a span inside the sequence; widths
+  // that are not multiples of 8 (rows staged one element at a time) with a
+  // single 32-column half of v_bar; and c = 64 with dv between 32 and 64, so
+  // that half the warps hold only the second v_bar half of an earlier block.
+  add(2, 1031, 3, 64, 64, 2, 128, false, false, 0.0, true, 128, 13);
+  add(1, 1000, 2, 33, 17, 2, 128, true, false, 0.0, true, 256, 14);
+  add(1, 700, 2, 40, 47, 1, 64, true, false, 0.0, true, 64, 15);
+  // The bf16 outer sums of ungated inputs (smat_outer_bf16.cu): content maps
+  // with vbar's ones inside the staged width (dv = 40) and r < 64; a dv that
+  // is not a multiple of 8 (vbar on the general kernel, gbar on the bf16 one)
+  // at d = 3 from a span inside the sequence; d = 1, whose one profile is
+  // pooled in several segments.
+  add(1, 1031, 2, 24, 40, 2, 64, false, true, 0.0, true, 0, 16);
+  add(2, 700, 2, 56, 13, 3, 32, false, false, 1e-3, true, 32, 17);
+  add(1, 1031, 2, 32, 24, 1, 16, false, false, 0.0, true, 0, 18);
+  // The gate gradient's suffix sums over several 2048-token segments (a
+  // span of 4636 tokens: three segments, the last one partial).
+  add(1, 4700, 2, 8, 5, 2, 64, true, false, 0.0, false, 64, 19);
+  // TypeReads of bf16 inputs with rows of odd width p through shared memory
+  // (smat_reads_bf16.cu, StoreRowsStaged: where a block's groups hold a whole
+  // tile of tokens on average, as d = 1's single type does) at the
+  // benchmark's widths, gated, from a span inside the sequence.
+  add(1, 2000, 2, 64, 64, 1, 128, true, false, 0.0, true, 128, 20);
+  // ChunkStatesAndOutputs' walk (ungated bf16): many chunks, so that each
+  // part is walked in several segments with a partial last one and a partial
+  // last chunk; and r, dv off the constant widths (dv = 33 staged one element
+  // at a time) with incoming states from a span inside the sequence.
+  add(1, 4700, 2, 64, 64, 2, 32, false, false, 0.0, true, 0, 21);
+  add(2, 2000, 2, 48, 33, 1, 128, false, false, 1e-3, true, 384, 22);
+  return cs;
+}
+
+// Host tensors from doubles: fp32, or bf16 (then `rounded` receives the
+// bf16 values as fp32 for the CPU side).
+inline Tensor HostF32(const std::vector<double>& x, const Shape& shape) {
+  return testing_util::ToF32(x, shape);
+}
+inline Tensor HostBf16(const std::vector<double>& x, const Shape& shape, Tensor* rounded) {
+  Tensor t = Tensor::Empty(shape, DType::kBF16).value();
+  *rounded = Tensor::Empty(shape, DType::kF32).value();
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint16_t b = FloatToBf16(static_cast<float>(x[i]));
+    t.data<uint16_t>()[i] = b;
+    rounded->data<float>()[i] = Bf16ToFloat(b);
+  }
+  return t;
+}
+
+// Tokens [t0, T) of a [batch, T, H, width] vector.
+template <typename V>
+inline std::vector<V> SliceTokens(const std::vector<V>& x, int64_t batch, int64_t T, int64_t H,
+                                  int64_t width, int64_t t0) {
+  std::vector<V> out;
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto first = x.begin() + ((b * T + t0) * H) * width;
+    out.insert(out.end(), first, first + (T - t0) * H * width);
+  }
+  return out;
+}
+
+inline std::vector<double> Values(const Tensor& host) {
+  std::vector<double> out(host.numel());
+  if (host.dtype() == DType::kF32) {
+    for (int64_t i = 0; i < host.numel(); ++i) out[i] = host.data<float>()[i];
+  } else {
+    for (int64_t i = 0; i < host.numel(); ++i) out[i] = Bf16ToFloat(host.data<uint16_t>()[i]);
+  }
+  return out;
+}
+
+}  // namespace smat_gpu_cases
+}  // namespace smat

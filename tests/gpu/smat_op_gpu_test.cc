@@ -1,0 +1,132 @@
+// The composed SMat op (kernels/smat.h) on the GPU against the CPU op and the
+// double reference: outputs and every gradient under random upstream
+// gradients, on the whole-span cases of smat_gpu_cases.h (tolerances there);
+// then the same inputs again must give the same bits.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/smat_reference.h"
+#include "kernels/smat.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/smat_gpu_cases.h"
+#include "tests/kernels/smat_test_util.h"
+
+namespace smat {
+namespace {
+
+using gpu_test::GpuTest;
+using gpu_test::ToDevice;
+using gpu_test::ToHost;
+using namespace smat_gpu_cases;  // NOLINT: the cases and helpers these tests share
+using testing_util::MaxAbs;
+using testing_util::RandomProblem;
+using testing_util::RandomVector;
+
+class SmatOpGpuTest : public GpuTest {};
+
+struct OpResult {
+  std::vector<Tensor> host;  // o, d_phi, d_psi, d_v, (d_logg)
+};
+
+absl::StatusOr<OpResult> RunOp(Backend& be, const SmatPlan& plan, const SmatReferenceProblem& pr,
+                               bool bf16, const std::vector<double>& d_o) {
+  const bool gpu = !be.device().is_cpu();
+  auto load = [&](const Tensor& host) -> absl::StatusOr<Tensor> {
+    return gpu ? ToDevice(be, host) : absl::StatusOr<Tensor>(host);
+  };
+  auto feat = [&](const std::vector<double>& x, int64_t w) -> absl::StatusOr<Tensor> {
+    Tensor rounded;
+    const Shape shape = {pr.batch, pr.T, pr.H, w};
+    if (!bf16) return load(HostF32(x, shape));
+    const Tensor t = HostBf16(x, shape, &rounded);
+    return load(gpu ? t : rounded);
+  };
+  SmatInputs in;
+  SMAT_ASSIGN_OR_RETURN(in.phi, feat(pr.phi, pr.r));
+  SMAT_ASSIGN_OR_RETURN(in.psi, feat(pr.psi, pr.r));
+  SMAT_ASSIGN_OR_RETURN(in.v, feat(pr.v, pr.dv));
+  const Shape tok = {pr.batch, pr.T, pr.H};
+  if (pr.gated()) {
+    SMAT_ASSIGN_OR_RETURN(in.logg, load(HostF32(pr.logg, tok)));
+  }
+  if (!pr.prof.empty()) {
+    SMAT_ASSIGN_OR_RETURN(in.prof, load(testing_util::ToI32(pr.prof, tok)));
+  }
+  if (!pr.type.empty()) {
+    SMAT_ASSIGN_OR_RETURN(in.type, load(testing_util::ToI32(pr.type, tok)));
+  }
+  in.eps = static_cast<float>(pr.eps);
+  SMAT_ASSIGN_OR_RETURN(Tensor dout, load(HostF32(d_o, {pr.batch, pr.T, pr.H, pr.dv})));
+  SmatForwardOutputs fwd;
+  SMAT_RETURN_IF_ERROR(SmatForward(be, plan, in, &fwd));
+  SmatGradients g;
+  SMAT_RETURN_IF_ERROR(SmatBackward(be, plan, in, fwd, dout, &g));
+  SMAT_RETURN_IF_ERROR(be.Synchronize(nullptr));
+  OpResult res;
+  for (const Tensor* t : {&fwd.o, &g.phi, &g.psi, &g.v, &g.logg}) {
+    if (!t->defined()) continue;
+    if (gpu) {
+      SMAT_ASSIGN_OR_RETURN(Tensor h, ToHost(be, *t));
+      res.host.push_back(h);
+    } else {
+      res.host.push_back(*t);
+    }
+  }
+  return res;
+}
+
+TEST_F(SmatOpGpuTest, WholeOpMatchesCpuAndReferenceAndRepeatsBitwise) {
+  for (const Case& cs : Cases()) {
+    if (cs.t0 != 0) continue;  // the composed op runs the whole span
+    const ProblemSpec& sp = cs.spec;
+    SCOPED_TRACE(CaseName(cs));
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatPlan plan, MakeSmatPlan(sp.T, sp.d, sp.chunk));
+    SmatReferenceProblem pr = RandomProblem(plan, sp);
+    // The reference sees exactly the values the kernels see.
+    for (auto* v : {&pr.phi, &pr.psi, &pr.v}) {
+      for (double& x : *v)
+        x = cs.bf16 ? Bf16ToFloat(FloatToBf16(static_cast<float>(x))) : static_cast<float>(x);
+    }
+    for (double& x : pr.logg) x = static_cast<float>(x);
+    const std::vector<double> d_o = RandomVector(sp.batch * sp.T * sp.H * sp.dv, sp.seed + 99);
+    SMAT_ASSERT_OK_AND_ASSIGN(OpResult cpu, RunOp(*cpu_, plan, pr, cs.bf16, d_o));
+    SMAT_ASSERT_OK_AND_ASSIGN(OpResult gpu, RunOp(*gpu_, plan, pr, cs.bf16, d_o));
+    SMAT_ASSERT_OK_AND_ASSIGN(OpResult again, RunOp(*gpu_, plan, pr, cs.bf16, d_o));
+    const SmatReferenceOutputs ref = SmatDenseReference(plan, pr);
+    const SmatReferenceGradients rg = SmatDenseReferenceBackward(plan, pr, d_o);
+    const std::vector<const std::vector<double>*> refs = {&ref.o, &rg.phi, &rg.psi, &rg.v,
+                                                          &rg.logg};
+    const char* names[] = {"o", "d_phi", "d_psi", "d_v", "d_logg"};
+    ASSERT_EQ(cpu.host.size(), gpu.host.size());
+    for (size_t i = 0; i < gpu.host.size(); ++i) {
+      const std::vector<double> g = Values(gpu.host[i]), c = Values(cpu.host[i]);
+      auto rel = [](const std::vector<double>& x, const std::vector<double>& ref) {
+        double err = 0.0;
+        for (size_t j = 0; j < x.size(); ++j) {
+          if (!std::isfinite(x[j])) return static_cast<double>(INFINITY);
+          err = std::max(err, std::abs(x[j] - ref[j]));
+        }
+        return err / std::max(MaxAbs(ref), kGradScaleFloor);
+      };
+      const double vs_cpu = rel(g, c), vs_ref = rel(g, *refs[i]), cpu_vs_ref = rel(c, *refs[i]);
+      std::printf("%-40s %-7s gpu-cpu %.3g  gpu-ref %.3g  cpu-ref %.3g\n", CaseName(cs).c_str(),
+                  names[i], vs_cpu, vs_ref, cpu_vs_ref);
+      const double tol = !cs.bf16 ? kF32Tol : (i == 0 ? kBf16OutTol : kBf16OpGradTol);
+      EXPECT_LE(vs_cpu, tol) << names[i];
+      EXPECT_LE(vs_ref, tol) << names[i];
+      EXPECT_GT(MaxAbs(c), 0.0) << names[i];
+      ASSERT_EQ(gpu.host[i].nbytes(), again.host[i].nbytes());
+      EXPECT_EQ(std::memcmp(gpu.host[i].raw(), again.host[i].raw(), gpu.host[i].nbytes()), 0)
+          << names[i] << ": two runs on the same inputs differ";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace smat
