@@ -100,15 +100,26 @@ absl::StatusOr<SmatDims> CheckSmatInputs(const SmatPlan& plan, const SmatSpan& s
   return d;
 }
 
+SmatPlan SmatOpPlan(const SmatPlan& plan, bool content_maps) {
+  if (plan.geo.d != 1 || content_maps || plan.n == 0) return plan;
+  SmatPlan causal = plan;
+  causal.n = 0;
+  causal.m = plan.T;
+  causal.num_distant_chunks = 0;
+  causal.num_chunks = (plan.T + plan.chunk - 1) / plan.chunk;
+  return causal;
+}
+
 absl::Status SmatForward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
                          SmatForwardOutputs* fwd, Stream* stream) {
   SMAT_ASSIGN_OR_RETURN(SmatKernels * k, backend.smat());
   return SmatForward(backend, *k, plan, in, fwd, stream);
 }
 
-absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
+absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan& op_plan,
                          const SmatInputs& in, SmatForwardOutputs* fwd, Stream* stream) {
   SMAT_CHECK(fwd != nullptr);
+  const SmatPlan plan = SmatOpPlan(op_plan, in.prof.defined() || in.type.defined());
   const SmatSpan span = SmatSpan::Whole(plan);
   SMAT_ASSIGN_OR_RETURN(SmatDims d, CheckSmatInputs(plan, span, in));
   SmatKernels* k = &kernels;
@@ -124,18 +135,26 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
   }
   // Long-range branch tables: pooling and tabulation (steps 2, 3). One span
   // ends its distant part at n - 1, so F is already referred to Lambda_{n-1}.
-  SMAT_ASSIGN_OR_RETURN(Tensor F, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay,
-                                         in.prof, &F, stream));
+  // Without tokens on both sides of n, U is the table of an empty F and no
+  // token reads it: the branch is left out (reads undefined: none).
   SMAT_ASSIGN_OR_RETURN(sv.U, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
-  // Outputs (steps 4, 7): the per-type reads of the recent tokens, then the
-  // causal branch's states (steps 5, 6), the chunk-local part, the sum and
-  // the division: in one walk over the chunks where the backend has one,
-  // else summaries, the exclusive scan and one pass over the tokens.
-  SMAT_ASSIGN_OR_RETURN(Tensor reads, Alloc(backend, {d.batch, d.L, d.H, d.p}));
-  SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, sv.U, sv.lam, sv.chunk_decay, Tensor(),
-                                    in.type, &reads, SmatWrite::kAssign, stream));
+  Tensor reads;
+  if (SmatHasLongRange(plan)) {
+    SMAT_ASSIGN_OR_RETURN(Tensor F, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
+    SMAT_RETURN_IF_ERROR(
+        k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, in.prof, &F, stream));
+    SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
+    // The per-type reads of the recent tokens (step 4).
+    SMAT_ASSIGN_OR_RETURN(reads, Alloc(backend, {d.batch, d.L, d.H, d.p}));
+    SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, sv.U, sv.lam, sv.chunk_decay, Tensor(),
+                                      in.type, &reads, SmatWrite::kAssign, stream));
+  } else {
+    SMAT_RETURN_IF_ERROR(backend.Fill(sv.U, 0.0, stream));
+  }
+  // Outputs (step 7): the causal branch's states (steps 5, 6), the
+  // chunk-local part, the reads, the sum and the division: in one walk over
+  // the chunks where the backend has one, else summaries, the exclusive scan
+  // and one pass over the tokens.
   SMAT_ASSIGN_OR_RETURN(fwd->o, Tensor::Empty({d.batch, d.L, d.H, d.dv}, in.v.dtype(),
                                               backend.allocator()));
   SMAT_ASSIGN_OR_RETURN(sv.den, Alloc(backend, {d.batch, d.L, d.H}));
@@ -163,10 +182,11 @@ absl::Status SmatBackward(Backend& backend, const SmatPlan& plan, const SmatInpu
   return SmatBackward(backend, *k, plan, in, fwd, d_o, grads, stream);
 }
 
-absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
+absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan& op_plan,
                           const SmatInputs& in, const SmatForwardOutputs& fwd, const Tensor& d_o,
                           SmatGradients* grads, Stream* stream) {
   SMAT_CHECK(grads != nullptr);
+  const SmatPlan plan = SmatOpPlan(op_plan, in.prof.defined() || in.type.defined());
   const SmatSpan span = SmatSpan::Whole(plan);
   SMAT_ASSIGN_OR_RETURN(SmatDims d, CheckSmatInputs(plan, span, in));
   SmatKernels* k = &kernels;
@@ -206,16 +226,19 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
                                                sv.chunk_decay, sv.S_in, gbar, D_bar, &grads->phi,
                                                &grads->psi, &grads->v, SmatWrite::kAssign, stream));
 
-  // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar, gather to tokens.
-  SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
-                                            sv.chunk_decay, Tensor(), in.type, &grads->phi,
-                                            &U_bar, stream));
-  SMAT_ASSIGN_OR_RETURN(Tensor F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
-  SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, sv.lam,
-                                                 sv.chunk_decay, Tensor(), in.prof, F_bar,
-                                                 &grads->psi, &grads->v, stream));
+  // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar, gather to
+  // tokens (nothing to carry without tokens on both sides of n).
+  if (SmatHasLongRange(plan)) {
+    SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
+    SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
+                                              sv.chunk_decay, Tensor(), in.type, &grads->phi,
+                                              &U_bar, stream));
+    SMAT_ASSIGN_OR_RETURN(Tensor F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
+    SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+    SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay,
+                                                   Tensor(), in.prof, F_bar, &grads->psi, &grads->v,
+                                                   stream));
+  }
 
   // Gates last: dL/dLambda needs the complete psi_bar.
   if (gated) {

@@ -56,6 +56,22 @@ struct SmatDims {
 absl::StatusOr<SmatDims> CheckSmatInputs(const SmatPlan& plan, const SmatSpan& span,
                                          const SmatInputs& in);
 
+// The plan SmatForward and SmatBackward run for `plan`. With d = 1 and
+// positional maps every recent token reads the one type table, which holds
+// every distant token: the mask is causal, and the split at n only cuts one
+// causal scan in two, the recent block reading the distant one through
+// pooling, tabulation and per-type reads (two more passes over the tokens
+// forward, three backward). The op then runs d = 1 as one block (n = 0,
+// every token recent), which gives the same outputs up to fp32 rounding
+// without the long-range branch. Content maps (content_maps: prof or type
+// given) keep the plan: an id out of range takes a token out of the tables.
+// Other plans are returned as they are.
+SmatPlan SmatOpPlan(const SmatPlan& plan, bool content_maps);
+
+// Whether the long-range branch (pooling, tabulation, per-type reads and
+// their adjoints) has anything to carry: tokens on both sides of n.
+inline bool SmatHasLongRange(const SmatPlan& plan) { return plan.n > 0 && plan.m > 0; }
+
 // What backward needs from forward, all fp32 on the backend's device.
 struct SmatSaved {
   Tensor lam;          // [batch, T, H] chunk-local log-decay prefix (undefined: ungated)

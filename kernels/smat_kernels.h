@@ -235,16 +235,17 @@ class SmatKernels {
   //   ybar_t = (F6's chunk-local part) + [t recent] reads_t,
   //   den_t = ybar_t[dv] + eps,  o_t = ybar_t[0:dv] / den_t,
   //   where reads holds TypeReads' rows written with SmatWrite::kAssign (its
-  //   distant rows are not read). The same values, bit for bit, as
-  //   ChunkOutputs, TypeReads (kAdd) and Normalize in turn, in one pass over
-  //   the tokens: the single-device forward (kernels/smat.cc) uses it.
+  //   distant rows are not read; undefined: no reads, as when the op leaves
+  //   the long-range branch out: SmatHasLongRange, kernels/smat.h). The same values, bit for bit,
+  //   as ChunkOutputs, TypeReads (kAdd) and Normalize in turn, in one pass over the tokens: the
+  //   single-device forward (kernels/smat.cc) uses it.
   virtual absl::Status NormalizedOutputs(const SmatPlan& plan, const SmatSpan& span,
                                          const Tensor& phi,    // [batch, L, H, r]
                                          const Tensor& psi,    // [batch, L, H, r]
                                          const Tensor& v,      // [batch, L, H, dv]
                                          const Tensor& lam,    // [batch, L, H] or undefined
                                          const Tensor& S_in,   // [batch, Lc, H, r, p]
-                                         const Tensor& reads,  // [batch, L, H, p]
+                                         const Tensor& reads,  // [batch, L, H, p] or undefined
                                          float eps,
                                          Tensor* o,    // [batch, L, H, dv], phi's dtype or fp32
                                          Tensor* den,  // [batch, L, H]
@@ -266,7 +267,7 @@ class SmatKernels {
       const Tensor& lam,          // [batch, L, H] or undefined
       const Tensor& chunk_decay,  // [batch, Lc, H] or undefined
       const Tensor& incoming,     // [batch, 2, H, r, p] or undefined (0)
-      const Tensor& reads,        // [batch, L, H, p]
+      const Tensor& reads,        // [batch, L, H, p] or undefined (none)
       float eps,
       Tensor* S_in,  // [batch, Lc, H, r, p]
       Tensor* o,     // [batch, L, H, dv], phi's dtype or fp32

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
+#include "kernels/smat.h"
 #include "kernels/smat_kernels.h"
 #include "tools/smat_bench_util.h"
 
@@ -180,7 +181,11 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
               "GEMM fp32 %.1f TFLOP/s\n",
               gpu.name().c_str(), ceil.copy_gbs, ceil.bf16_tflops, ceil.fp32_tflops);
 
-  SMAT_ASSIGN_OR_RETURN(SmatPlan plan, MakeSmatPlan(T, d, cfg.chunk, cfg.q));
+  SMAT_ASSIGN_OR_RETURN(const SmatPlan geometry_plan, MakeSmatPlan(T, d, cfg.chunk, cfg.q));
+  // The plan the op runs (positional maps): d = 1 as one causal block, with
+  // no long-range phases (SmatOpPlan, kernels/smat.h).
+  const SmatPlan plan = SmatOpPlan(geometry_plan, /*content_maps=*/false);
+  const bool long_range = SmatHasLongRange(plan);
   SMAT_ASSIGN_OR_RETURN(SmatKernels * k, gpu.smat());
   const SmatSpan span = SmatSpan::Whole(plan);
   const int64_t B = cfg.batch, H = cfg.heads, r = cfg.r, dv = cfg.dv, p = dv + 1;
@@ -198,6 +203,12 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
               static_cast<long long>(c), static_cast<long long>(B), static_cast<long long>(H),
               static_cast<long long>(r), static_cast<long long>(dv),
               cfg.gated ? "gated" : "ungated", reps, warmup);
+  if (!long_range) {
+    std::printf(
+        "d = %d with positional maps: one causal block, no long-range phases (the "
+        "geometry's n = %lld)\n",
+        d, static_cast<long long>(geometry_plan.n));
+  }
 
   Buffers buf(gpu);
   SMAT_ASSIGN_OR_RETURN(Tensor phi, buf.Random({B, T, H, r}, cfg.dtype, cfg.seed, 0.05f, 1.f));
@@ -217,6 +228,10 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   SMAT_ASSIGN_OR_RETURN(Tensor U, buf.Zeros({B, H, Bt, r, p}));
   SMAT_ASSIGN_OR_RETURN(Tensor ybar, buf.Zeros({B, T, H, p}));
   SMAT_ASSIGN_OR_RETURN(Tensor reads, buf.Zeros({B, T, H, p}));
+  // What the outputs add: the reads of the recent tokens, none without the
+  // long-range branch.
+  const Tensor op_reads = long_range ? reads : Tensor();
+  const double nreads = long_range ? nr : 0.0;
   SMAT_ASSIGN_OR_RETURN(Tensor o, buf.Zeros({B, T, H, dv}, cfg.dtype));
   SMAT_ASSIGN_OR_RETURN(Tensor den, buf.Zeros({B, T, H}));
   const float eps = 1e-6f;
@@ -230,13 +245,13 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   auto walk = [&]() -> absl::Status {
     SMAT_ASSIGN_OR_RETURN(const bool walked,
                           k->ChunkStatesAndOutputs(plan, span, phi, psi, v, lam, cd, Tensor(),
-                                                   reads, eps, &S_in, &o, &den, nullptr));
+                                                   op_reads, eps, &S_in, &o, &den, nullptr));
     if (!walked) return absl::InternalError("ChunkStatesAndOutputs did not run");
     return absl::OkStatus();
   };
   SMAT_ASSIGN_OR_RETURN(const bool walks,
-                        k->ChunkStatesAndOutputs(plan, span, phi, psi, v, lam, cd, Tensor(), reads,
-                                                 eps, &S_in, &o, &den, nullptr));
+                        k->ChunkStatesAndOutputs(plan, span, phi, psi, v, lam, cd, Tensor(),
+                                                 op_reads, eps, &S_in, &o, &den, nullptr));
   const double out_bytes = N * (2 * r + dv) * es + gate_bytes + NC * W * 4;
   std::vector<Phase> states;
   states.push_back({"ChunkSummaries", N * (r + dv) * es + gate_bytes + NC * W * 4, 2 * N * W,
@@ -245,9 +260,9 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                       return k->ChunkScan(plan, span, D, cd, Tensor(), &S_in, &span_state,
                                           &span_decay, nullptr);
                     }});
-  states.push_back({"NormalizedOutputs", out_bytes + nr * p * 4 + N * (dv * es + 4),
+  states.push_back({"NormalizedOutputs", out_bytes + nreads * p * 4 + N * (dv * es + 4),
                     N * c * (r + p) + 2 * N * W + N * dv, [&] {
-                      return k->NormalizedOutputs(plan, span, phi, psi, v, lam, S_in, reads, eps,
+                      return k->NormalizedOutputs(plan, span, phi, psi, v, lam, S_in, op_reads, eps,
                                                   &o, &den, nullptr);
                     }});
   std::vector<Phase> fwd;
@@ -255,20 +270,22 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     fwd.push_back({"ChunkLogDecay", N * 8 + NC * 4, 0,
                    [&] { return k->ChunkLogDecay(plan, span, logg, &lam, &cd, nullptr); }});
   }
-  fwd.push_back({"ProfilePooling", nd * (r + dv) * es + BH * P * W * 4, 2 * nd * W, [&] {
-                   return k->ProfilePooling(plan, span, psi, v, lam, cd, Tensor(), &F, nullptr);
-                 }});
-  fwd.push_back({"Tabulate", BH * (P + Bt) * W * 4, BH * nnz * W,
-                 [&] { return k->Tabulate(plan, F, &U, nullptr); }});
-  fwd.push_back({"TypeReads (=)", nr * (r * es + p * 4) + BH * Bt * W * 4, 2 * nr * W, [&] {
-                   return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &reads,
-                                       SmatWrite::kAssign, nullptr);
-                 }});
+  if (long_range) {
+    fwd.push_back({"ProfilePooling", nd * (r + dv) * es + BH * P * W * 4, 2 * nd * W, [&] {
+                     return k->ProfilePooling(plan, span, psi, v, lam, cd, Tensor(), &F, nullptr);
+                   }});
+    fwd.push_back({"Tabulate", BH * (P + Bt) * W * 4, BH * nnz * W,
+                   [&] { return k->Tabulate(plan, F, &U, nullptr); }});
+    fwd.push_back({"TypeReads (=)", nr * (r * es + p * 4) + BH * Bt * W * 4, 2 * nr * W, [&] {
+                     return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &reads,
+                                         SmatWrite::kAssign, nullptr);
+                   }});
+  }
   if (walks) {
-    fwd.push_back(
-        {"ChunkStatesAndOutputs",
-         N * (r + dv) * es + N * (2 * r + dv) * es + NC * W * 4 + nr * p * 4 + N * (dv * es + 4),
-         N * c * (r + p) + 4 * N * W + N * dv, walk});
+    fwd.push_back({"ChunkStatesAndOutputs",
+                   N * (r + dv) * es + N * (2 * r + dv) * es + NC * W * 4 + nreads * p * 4 +
+                       N * (dv * es + 4),
+                   N * c * (r + p) + 4 * N * W + N * dv, walk});
   } else {
     fwd.insert(fwd.end(), states.begin(), states.end());
   }
@@ -279,10 +296,12 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   three.push_back({"ChunkOutputs", out_bytes + N * p * 4, N * c * (r + p) + 2 * N * W, [&] {
                      return k->ChunkOutputs(plan, span, phi, psi, v, lam, S_in, &ybar, nullptr);
                    }});
-  three.push_back({"TypeReads (+=)", nr * (r * es + p * 8) + BH * Bt * W * 4, 2 * nr * W, [&] {
-                     return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &ybar,
-                                         SmatWrite::kAdd, nullptr);
-                   }});
+  if (long_range) {
+    three.push_back({"TypeReads (+=)", nr * (r * es + p * 8) + BH * Bt * W * 4, 2 * nr * W, [&] {
+                       return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &ybar,
+                                           SmatWrite::kAdd, nullptr);
+                     }});
+  }
   three.push_back({"Normalize", N * (p * 4 + dv * es + 4), N * dv,
                    [&] { return k->Normalize(ybar, eps, &o, &den, nullptr); }});
   std::vector<double> fwd_ms;
@@ -349,18 +368,20 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                                                     D_bar, &phi_bar, &psi_bar, &v_bar,
                                                     SmatWrite::kAssign, nullptr);
                    }});
-    bwd.push_back({"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8,
-                   4 * nr * W, [&] {
-                     return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(),
-                                                 Tensor(), &phi_bar, &U_bar, nullptr);
-                   }});
-    bwd.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
-                   [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});
-    bwd.push_back({"ProfilePoolingBackward", nd * ((r + dv) * es + (r + dv) * 8) + BH * P * W * 4,
-                   4 * nd * W, [&] {
-                     return k->ProfilePoolingBackward(plan, span, psi, v, lam, cd, Tensor(),
-                                                      Tensor(), F_bar, &psi_bar, &v_bar, nullptr);
-                   }});
+    if (long_range) {
+      bwd.push_back(
+          {"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8, 4 * nr * W, [&] {
+             return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(), Tensor(),
+                                         &phi_bar, &U_bar, nullptr);
+           }});
+      bwd.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
+                     [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});
+      bwd.push_back({"ProfilePoolingBackward", nd * ((r + dv) * es + (r + dv) * 8) + BH * P * W * 4,
+                     4 * nd * W, [&] {
+                       return k->ProfilePoolingBackward(plan, span, psi, v, lam, cd, Tensor(),
+                                                        Tensor(), F_bar, &psi_bar, &v_bar, nullptr);
+                     }});
+    }
     if (cfg.gated) {
       bwd.push_back({"LogDecayBackward", N * (r * es + r * 4 + 12), 2 * N * r, [&] {
                        return k->LogDecayBackward(plan, span, psi, psi_bar, dlam_row, Tensor(),

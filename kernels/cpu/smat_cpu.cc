@@ -302,11 +302,14 @@ absl::Status CpuSmatKernels::NormalizedOutputs(const SmatPlan& plan, const SmatS
   SMAT_ASSIGN_OR_RETURN(SpanDims s, MakeSpanDims(plan, span, phi, "phi"));
   s.dv = v.defined() && v.rank() == 4 ? v.dim(3) : 0;
   s.p = s.dv + 1;
-  SMAT_RETURN_IF_ERROR(CheckF32(reads, {s.batch, s.L, s.H, s.p}, "reads"));
+  // reads undefined: none (the op leaves the long-range branch out).
+  if (reads.defined()) {
+    SMAT_RETURN_IF_ERROR(CheckF32(reads, {s.batch, s.L, s.H, s.p}, "reads"));
+  }
   // The three phases in turn, on a ybar of this call's own.
   SMAT_ASSIGN_OR_RETURN(Tensor ybar, Tensor::Empty({s.batch, s.L, s.H, s.p}, DType::kF32));
   SMAT_RETURN_IF_ERROR(ChunkOutputs(plan, span, phi, psi, v, lam, S_in, &ybar, stream));
-  for (int64_t b = 0; b < s.batch; ++b) {
+  for (int64_t b = 0; b < s.batch && reads.defined(); ++b) {
     const int64_t first = s.Tok(b, s.id, 0) * s.p, count = (s.L - s.id) * s.H * s.p;
     float* y = ybar.data<float>() + first;
     const float* x = reads.data<float>() + first;

@@ -213,7 +213,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d,
                           args_.ChunkOutputDims(plan, span, phi, psi, v, lam, S_in));
-    SMAT_RETURN_IF_ERROR(args_.CheckF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
     SMAT_RETURN_IF_ERROR(CheckNormalizedOutputs(d, phi, o, den));
     const int64_t recent_begin = span.recent_begin(plan) - span.t0;
     const bool o_bf16 = o->dtype() == DType::kBF16;
@@ -248,7 +248,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
     SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
     SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(incoming, {d.batch, 2, d.H, d.r, d.p}, "incoming"));
-    SMAT_RETURN_IF_ERROR(args_.CheckF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
     SMAT_RETURN_IF_ERROR(CheckNormalizedOutputs(d, phi, o, den));
     // The walk carries ungated states into the bf16 outputs of the fused tile.

@@ -123,6 +123,9 @@ inline std::vector<Case> Cases() {
   // at a time) with incoming states from a span inside the sequence.
   add(1, 4700, 2, 64, 64, 2, 32, false, false, 0.0, true, 0, 21);
   add(2, 2000, 2, 48, 33, 1, 128, false, false, 1e-3, true, 384, 22);
+  // Positional d = 1 through the whole op: one causal block (SmatOpPlan), so
+  // the walk covers every chunk in one part and reads nothing.
+  add(1, 2000, 2, 64, 64, 1, 128, false, false, 0.0, true, 0, 23);
   return cs;
 }
 

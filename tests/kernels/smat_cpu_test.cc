@@ -162,6 +162,54 @@ TEST(SmatCpuTest, OpMatchesDenseReferenceLong) {
                              .gated = gated, .seed = 5});
     CheckOpAgainstReference({.T = 1031, .H = 1, .r = 5, .dv = 2, .d = 1, .chunk = 16,
                              .gated = gated, .content = true, .seed = 6});
+    // Positional d = 1 runs as one causal block (SmatOpPlan), with a partial
+    // last chunk.
+    CheckOpAgainstReference({.batch = 2,
+                             .T = 1031,
+                             .H = 2,
+                             .r = 7,
+                             .dv = 3,
+                             .d = 1,
+                             .chunk = 32,
+                             .gated = gated,
+                             .eps = 0.01,
+                             .seed = 7});
+  }
+}
+
+// d = 1 with positional maps: the op runs one causal block without the
+// long-range branch (its saved U is the zero table no token reads); content
+// maps and d >= 2 keep the plan and the branch (U holds the pooled tokens).
+TEST(SmatCpuTest, PositionalD1RunsAsOneCausalBlock) {
+  auto d1 = MakeSmatPlan(1031, 1, 32);
+  ASSERT_TRUE(d1.ok());
+  ASSERT_GT(d1->n, 0);
+  const SmatPlan causal = SmatOpPlan(*d1, /*content_maps=*/false);
+  EXPECT_EQ(causal.n, 0);
+  EXPECT_EQ(causal.m, 1031);
+  EXPECT_EQ(causal.num_distant_chunks, 0);
+  EXPECT_EQ(causal.num_chunks, d1->num_chunks);
+  EXPECT_FALSE(SmatHasLongRange(causal));
+  EXPECT_EQ(SmatOpPlan(*d1, /*content_maps=*/true).n, d1->n);
+  auto d2 = MakeSmatPlan(1031, 2, 32);
+  ASSERT_TRUE(d2.ok());
+  EXPECT_EQ(SmatOpPlan(*d2, false).n, d2->n);
+  EXPECT_TRUE(SmatHasLongRange(SmatOpPlan(*d2, false)));
+
+  for (bool content : {false, true}) {
+    SCOPED_TRACE(content ? "content maps" : "positional maps");
+    const ProblemSpec s{
+        .T = 1031, .H = 2, .r = 5, .dv = 3, .d = 1, .chunk = 32, .gated = true, .content = content};
+    const SmatReferenceProblem pr = RandomProblem(*d1, s);
+    auto run = RunCpuForward(*d1, pr);
+    ASSERT_TRUE(run.ok()) << run.status();
+    const std::vector<double> U = ToDouble(run->fwd.saved.U);
+    ASSERT_EQ(U.size(), static_cast<size_t>(2 * 1 * 5 * 4));  // [batch, H, B = 1, r, p]
+    if (content) {
+      EXPECT_GT(MaxAbs(U), 0.0);
+    } else {
+      EXPECT_EQ(MaxAbs(U), 0.0);
+    }
   }
 }
 
