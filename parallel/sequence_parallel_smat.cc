@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -90,7 +91,7 @@ SpSmatVolume SequenceParallelVolume(const SmatPlan& plan, int sp, int64_t batch,
                                     int64_t r, int64_t p) {
   SpSmatVolume v;
   v.scan_words = int64_t{sp} * batch * 2 * H * (r * p + 1);
-  v.table_words = batch * H * plan.geo.P * r * p;
+  v.table_words = SmatHasLongRange(plan) ? batch * H * plan.geo.P * r * p : 0;
   return v;
 }
 
@@ -237,9 +238,13 @@ absl::Status ScaleRows(Backend& backend, Tensor& t, const float* log_scale, int6
 // --- forward -----------------------------------------------------------------------
 
 absl::Status SequenceParallelSmatForward(Backend& backend, Communicator& comm,
-                                         const SmatPlan& plan, const std::vector<SmatSpan>& spans,
-                                         const SmatInputs& in, SpSmatForwardOutputs* fwd,
-                                         Stream* stream) {
+                                         const SmatPlan& op_plan,
+                                         const std::vector<SmatSpan>& spans, const SmatInputs& in,
+                                         SpSmatForwardOutputs* fwd, Stream* stream) {
+  // The plan SmatForward runs (d = 1 with positional maps as one causal
+  // block): the same on every rank, so every rank skips the same collectives.
+  const SmatPlan plan = SmatOpPlan(op_plan, in.prof.defined() || in.type.defined());
+  const bool long_range = SmatHasLongRange(plan);
   const int W = comm.size(), me = comm.rank();
   SMAT_RETURN_IF_ERROR(ValidateSpans(plan, spans, W));
   const SmatSpan span = spans[me];
@@ -275,7 +280,9 @@ absl::Status SequenceParallelSmatForward(Backend& backend, Communicator& comm,
   }
   SMAT_ASSIGN_OR_RETURN(GatherJob gather, StartGather(backend, comm, pack, stream));
   SMAT_ASSIGN_OR_RETURN(Tensor F, EmptyOn(backend, {b, H, plan.geo.P, r, p}));
-  SMAT_RETURN_IF_ERROR(k->ProfilePooling(plan, span, in.psi, in.v, lam, cd, in.prof, &F, stream));
+  if (long_range) {
+    SMAT_RETURN_IF_ERROR(k->ProfilePooling(plan, span, in.psi, in.v, lam, cd, in.prof, &F, stream));
+  }
   SMAT_ASSIGN_OR_RETURN(Tensor gathered, FinishGather(backend, gather, stream));
 
   // Fold the earlier ranks into the incoming states (fp32, rank order); the
@@ -312,10 +319,15 @@ absl::Status SequenceParallelSmatForward(Backend& backend, Communicator& comm,
 
   // Collect 2: AllReduce(sum) of the profile table, each part first referred
   // to Lambda_{n-1}; overlapped with the chunk scan and chunk-local outputs.
-  SMAT_ASSIGN_OR_RETURN(Tensor F_comm, CommBuffer(backend, comm, F, stream));
-  if (gated) SMAT_RETURN_IF_ERROR(ScaleRows(backend, F_comm, tail.data(), b * H, stream));
-  SMAT_RETURN_IF_ERROR(backend.Synchronize(stream));
-  SMAT_ASSIGN_OR_RETURN(auto table, comm.StartAllReduce(F_comm, comm.default_timeout()));
+  // Without a long-range branch there is no table to reduce.
+  Tensor F_comm;
+  std::unique_ptr<CollectiveHandle> table;
+  if (long_range) {
+    SMAT_ASSIGN_OR_RETURN(F_comm, CommBuffer(backend, comm, F, stream));
+    if (gated) SMAT_RETURN_IF_ERROR(ScaleRows(backend, F_comm, tail.data(), b * H, stream));
+    SMAT_RETURN_IF_ERROR(backend.Synchronize(stream));
+    SMAT_ASSIGN_OR_RETURN(table, comm.StartAllReduce(F_comm, comm.default_timeout()));
+  }
 
   SMAT_ASSIGN_OR_RETURN(Tensor S_in, EmptyOn(backend, {b, Lc, H, r, p}));
   SMAT_RETURN_IF_ERROR(
@@ -323,12 +335,16 @@ absl::Status SequenceParallelSmatForward(Backend& backend, Communicator& comm,
   SMAT_ASSIGN_OR_RETURN(Tensor ybar, EmptyOn(backend, {b, L, H, p}));
   SMAT_RETURN_IF_ERROR(k->ChunkOutputs(plan, span, in.phi, in.psi, in.v, lam, S_in, &ybar, stream));
 
-  SMAT_RETURN_IF_ERROR(table->Wait());
-  SMAT_RETURN_IF_ERROR(Upload(backend, F_comm, F, stream));
   SMAT_ASSIGN_OR_RETURN(Tensor U, EmptyOn(backend, {b, H, plan.geo.B, r, p}));
-  SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &U, stream));
-  SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, U, lam, cd, sv.recent_offset, in.type,
-                                    &ybar, SmatWrite::kAdd, stream));
+  if (long_range) {
+    SMAT_RETURN_IF_ERROR(table->Wait());
+    SMAT_RETURN_IF_ERROR(Upload(backend, F_comm, F, stream));
+    SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &U, stream));
+    SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, U, lam, cd, sv.recent_offset, in.type,
+                                      &ybar, SmatWrite::kAdd, stream));
+  } else {
+    SMAT_RETURN_IF_ERROR(backend.Fill(U, 0.0, stream));  // the table no token reads
+  }
   SMAT_ASSIGN_OR_RETURN(fwd->o, EmptyOn(backend, {b, L, H, z.dv}, in.v.dtype()));
   SMAT_ASSIGN_OR_RETURN(Tensor den, EmptyOn(backend, {b, L, H}));
   SMAT_RETURN_IF_ERROR(k->Normalize(ybar, in.eps, &fwd->o, &den, stream));
@@ -345,11 +361,12 @@ absl::Status SequenceParallelSmatForward(Backend& backend, Communicator& comm,
 // --- backward ----------------------------------------------------------------------
 
 absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
-                                          const SmatPlan& plan,
-                                          const std::vector<SmatSpan>& spans,
-                                          const SmatInputs& in, const SpSmatForwardOutputs& fwd,
-                                          const Tensor& d_o, SmatGradients* grads,
-                                          Stream* stream) {
+                                          const SmatPlan& op_plan,
+                                          const std::vector<SmatSpan>& spans, const SmatInputs& in,
+                                          const SpSmatForwardOutputs& fwd, const Tensor& d_o,
+                                          SmatGradients* grads, Stream* stream) {
+  const SmatPlan plan = SmatOpPlan(op_plan, in.prof.defined() || in.type.defined());
+  const bool long_range = SmatHasLongRange(plan);
   const int W = comm.size(), me = comm.rank();
   SMAT_RETURN_IF_ERROR(ValidateSpans(plan, spans, W));
   const SmatSpan span = spans[me];
@@ -390,11 +407,15 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
 
   // The span's part of U_bar, all-reduced while the chunk-local backward runs.
   SMAT_ASSIGN_OR_RETURN(Tensor U_bar, EmptyOn(backend, {b, H, plan.geo.B, r, p}));
-  SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.local.U, gbar, lam, cd,
-                                            sv.recent_offset, in.type, &grads->phi, &U_bar,
-                                            stream));
-  SMAT_ASSIGN_OR_RETURN(Tensor U_bar_comm, CommBuffer(backend, comm, U_bar, stream));
-  SMAT_ASSIGN_OR_RETURN(auto table, comm.StartAllReduce(U_bar_comm, comm.default_timeout()));
+  Tensor U_bar_comm;
+  std::unique_ptr<CollectiveHandle> table;
+  if (long_range) {
+    SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.local.U, gbar, lam, cd,
+                                              sv.recent_offset, in.type, &grads->phi, &U_bar,
+                                              stream));
+    SMAT_ASSIGN_OR_RETURN(U_bar_comm, CommBuffer(backend, comm, U_bar, stream));
+    SMAT_ASSIGN_OR_RETURN(table, comm.StartAllReduce(U_bar_comm, comm.default_timeout()));
+  }
 
   // Reverse scan over ranks: fold the later ranks' state gradients (last
   // first) into this span's incoming gradient.
@@ -409,13 +430,15 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
                                                sv.local.S_in, gbar, D_bar, &grads->phi, &grads->psi,
                                                &grads->v, SmatWrite::kAdd, stream));
 
-  SMAT_RETURN_IF_ERROR(table->Wait());
-  SMAT_RETURN_IF_ERROR(Upload(backend, U_bar_comm, U_bar, stream));
-  SMAT_ASSIGN_OR_RETURN(Tensor F_bar, EmptyOn(backend, {b, H, plan.geo.P, r, p}));
-  SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
-  SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, lam, cd,
-                                                 sv.distant_tail_decay, in.prof, F_bar,
-                                                 &grads->psi, &grads->v, stream));
+  if (long_range) {
+    SMAT_RETURN_IF_ERROR(table->Wait());
+    SMAT_RETURN_IF_ERROR(Upload(backend, U_bar_comm, U_bar, stream));
+    SMAT_ASSIGN_OR_RETURN(Tensor F_bar, EmptyOn(backend, {b, H, plan.geo.P, r, p}));
+    SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+    SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, lam, cd,
+                                                   sv.distant_tail_decay, in.prof, F_bar,
+                                                   &grads->psi, &grads->v, stream));
+  }
 
   if (gated) {
     // dL/dlogg_s sums dL/dLambda over t >= s: this span's own suffix plus the

@@ -20,9 +20,13 @@
 //   fold the later ranks (last first), ChunkScanBackward, ChunkOutputsBackward,
 //   TabulateBackward, ProfilePoolingBackward; gated: LogDecayBackward, with an
 //   AllGather of the span sums of dL/dLambda for the suffix over later ranks.
+// Both run the plan SmatForward runs (SmatOpPlan, kernels/smat.h): for d = 1
+// with positional maps one causal block, with no pooling, tabulation, reads or
+// table all-reduce (nor their adjoints and the U_bar all-reduce).
 // Volumes per layer (SequenceParallelVolume): the scan moves sp x batch x 2 x H
 // x (r p + 1) words per rank (all-gathered), the table batch x H x P x r x p
-// (all-reduced, 2 (sp-1)/sp of it per rank on a ring).
+// (all-reduced, 2 (sp-1)/sp of it per rank on a ring; none for a plan without
+// a long-range branch).
 //
 // Every collective is deterministic (communicator.h) and every fold has a fixed
 // order, so the same run on the same ranks gives the same bits.
@@ -66,7 +70,7 @@ absl::Status ValidateSpans(const SmatPlan& plan, const std::vector<SmatSpan>& sp
 // Words (fp32 elements) each collective of one layer's forward moves per rank.
 struct SpSmatVolume {
   int64_t scan_words = 0;   // all-gathered: sp x batch x 2 x H x (r p + 1)
-  int64_t table_words = 0;  // all-reduced: batch x H x P x r x p
+  int64_t table_words = 0;  // all-reduced: batch x H x P x r x p (0: SmatHasLongRange false)
   std::string ToString() const;  // "scan 1234 words (4.8 KiB), table ..."
 };
 SpSmatVolume SequenceParallelVolume(const SmatPlan& plan, int sp, int64_t batch, int64_t H,

@@ -305,7 +305,9 @@ absl::Status RunOnRanks(ProcessGroup& pg, const SmatBenchConfig& cfg, const SpBe
 
   // Per collective: what was sent against the formulas, and its times (the
   // slowest rank's median).
-  const SpSmatVolume vol = SequenceParallelVolume(plan, sp, B, H, r, p);
+  // The op's plan (positional maps): d = 1 has no table to all-reduce.
+  const SpSmatVolume vol =
+      SequenceParallelVolume(SmatOpPlan(plan, /*content_maps=*/false), sp, B, H, r, p);
   std::printf("\n| collective | what | words per rank | formula | formula words | match | "
               "ring bytes sent per rank | in flight ms | waited ms |\n"
               "|---|---|---|---|---|---|---|---|---|\n");

@@ -174,12 +174,45 @@ TEST_P(SpSmat, MatchesSingleProcessForEverySplit) {
 INSTANTIATE_TEST_SUITE_P(GatedAndContent, SpSmat,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool()));
 
-// d = 1 (causal, one point, one type) with a sequence that is all chunks.
+// d = 1 (causal, one point, one type) with a sequence that is all chunks, and
+// with a partial last chunk under positional and content maps.
 TEST(SpSmatCausal, MatchesSingleProcess) {
   Fixture fx;
   Problem pr = MakeProblem(64, 1, 8, /*gated=*/true, /*content=*/false, 7);
   auto spans = SplitSequence(pr.plan, fx.comm->size()).value();
   EXPECT_TRUE(AllRanks(CheckAgainstSingleProcess(fx, pr, spans, "d=1")));
+  for (bool content : {false, true}) {
+    Problem partial = MakeProblem(70, 1, 8, /*gated=*/true, content, 8);
+    auto s = SplitSequence(partial.plan, fx.comm->size()).value();
+    EXPECT_TRUE(
+        AllRanks(CheckAgainstSingleProcess(fx, partial, s, content ? "d=1 content" : "d=1")));
+  }
+}
+
+// d = 1 with positional maps runs as the single-process op does (SmatOpPlan):
+// one causal block, no profile table to all-reduce and the zero type table;
+// content maps keep the table and its all-reduce.
+TEST(SpSmatCausal, PositionalD1HasNoTable) {
+  Fixture fx;
+  for (bool content : {false, true}) {
+    SCOPED_TRACE(content ? "content maps" : "positional maps");
+    Problem pr = MakeProblem(70, 1, 8, /*gated=*/false, content, 11);
+    auto spans = SplitSequence(pr.plan, fx.comm->size()).value();
+    SmatInputs mine = Inputs(pr, spans[fx.comm->rank()]);
+    SpSmatForwardOutputs fwd;
+    ASSERT_TRUE(
+        SequenceParallelSmatForward(*fx.backend, *fx.comm, pr.plan, spans, mine, &fwd).ok());
+    double u = 0;
+    const Tensor& U = fwd.saved.local.U;
+    for (int64_t i = 0; i < U.numel(); ++i) u = std::max(u, std::fabs(double{U.data<float>()[i]}));
+    if (content) {
+      EXPECT_GT(fwd.volume.table_words, 0);
+      EXPECT_TRUE(AllRanks(u > 0));  // every rank holds the all-reduced table
+    } else {
+      EXPECT_EQ(fwd.volume.table_words, 0);
+      EXPECT_EQ(u, 0.0);
+    }
+  }
 }
 
 TEST(SpSmatDeterminism, SameRanksTwiceBitwiseEqual) {
