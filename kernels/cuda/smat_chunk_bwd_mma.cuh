@@ -166,9 +166,26 @@ __device__ __forceinline__ void StoreRows(const Block<kFull, kP>& bk, const Smat
 // their rows load while the products run.
 enum class Side { kQuery, kKeyPsi, kKeyV };
 
+// The chunk's n = r p floats of S_in or D_bar (global, row-major) into `to`
+// in shared memory, consecutive threads on consecutive 16-byte pieces where
+// both are 16-byte aligned: one coalesced pass per block, where every warp
+// loading its columns' B fragments from global memory touched 4-8 cache lines
+// per load.
+__device__ __forceinline__ void StageSide(const float* __restrict__ from, int n, float* to) {
+  if (n % 4 == 0 && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
+    const float4* f4 = reinterpret_cast<const float4*>(from);
+    float4* t4 = reinterpret_cast<float4*>(to);
+    for (int e = threadIdx.x; e < n / 4; e += kThreads) t4[e] = __ldg(&f4[e]);
+  } else {
+    for (int e = threadIdx.x; e < n; e += kThreads) to[e] = __ldg(&from[e]);
+  }
+}
+
+// M: the chunk's S_in or D_bar (r x p fp32, row-major) in shared memory
+// (StageSide).
 template <Side kSide, bool kFull, int kP>
 __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
-                                          int h, int64_t c0, int w, const float* __restrict__ M,
+                                          int h, int64_t c0, int w, const float* M,
                                           float* __restrict__ out) {
   const int g = bk.g, tq = bk.tq;
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
@@ -183,9 +200,9 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (kKeyV) {
-        LoadB(M, bk.p(), 1, 16 * ks, 8 * w + g, bk.r(), bk.dv(), tq, x[ks]);
+        LoadB<true>(M, bk.p(), 1, 16 * ks, 8 * w + g, bk.r(), bk.dv(), tq, x[ks]);
       } else {
-        LoadB(M, 1, bk.p(), 16 * ks, 8 * w + g, bk.dv(), bk.r(), tq, x[ks]);
+        LoadB<true>(M, 1, bk.p(), 16 * ks, 8 * w + g, bk.dv(), bk.r(), tq, x[ks]);
       }
     }
 #pragma unroll
