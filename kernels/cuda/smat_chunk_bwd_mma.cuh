@@ -200,9 +200,9 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (kKeyV) {
-        LoadB<true>(M, bk.p(), 1, 16 * ks, 8 * w + g, bk.r(), bk.dv(), tq, x[ks]);
+        LoadB(M, bk.p(), 1, 16 * ks, 8 * w + g, bk.r(), bk.dv(), tq, x[ks]);
       } else {
-        LoadB<true>(M, 1, bk.p(), 16 * ks, 8 * w + g, bk.dv(), bk.r(), tq, x[ks]);
+        LoadB(M, 1, bk.p(), 16 * ks, 8 * w + g, bk.dv(), bk.r(), tq, x[ks]);
       }
     }
 #pragma unroll

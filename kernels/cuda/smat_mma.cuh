@@ -225,21 +225,18 @@ __device__ __forceinline__ void StoreSplitPair(__nv_bfloat16* at, int plane, flo
   for (int q = 0; q < kP; ++q) *reinterpret_cast<uint32_t*>(at + q * plane) = part[q];
 }
 
-// The fp32 elements of an 8-column n-tile's m16n8k16 B fragment from global
-// memory (kShared: shared memory), element (k, n) = M[k * sk + n * sn] for
-// k < kmax, n < nmax (0 elsewhere); k0 the tile's first k, n the lane's
-// column. Loads use clamped indices and are unconditional, so a caller's loads
-// for several n-tiles issue together (no branch per element); the select
-// zeroes what lies outside.
-template <bool kShared = false>
+// The fp32 elements of an 8-column n-tile's m16n8k16 B fragment from shared
+// memory, element (k, n) = M[k * sk + n * sn] for k < kmax, n < nmax (0
+// elsewhere); k0 the tile's first k, n the lane's column. Loads use clamped
+// indices and are unconditional, so a caller's loads for several n-tiles issue
+// together (no branch per element); the select zeroes what lies outside.
 __device__ __forceinline__ void LoadB(const float* M, int sk, int sn, int k0, int n, int kmax,
                                       int nmax, int tq, float (&x)[4]) {
   const int nc = min(n, nmax - 1);
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
     const int k = k0 + 2 * tq + (u & 1) + 8 * (u >> 1);
-    const float* at = &M[min(k, kmax - 1) * sk + nc * sn];
-    const float y = kShared ? *at : __ldg(at);
+    const float y = M[min(k, kmax - 1) * sk + nc * sn];
     x[u] = k < kmax && n < nmax ? y : 0.f;
   }
 }
