@@ -56,6 +56,13 @@ __device__ __forceinline__ void Ldsm4T(uint32_t (&x)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// Two 8 x 8 bf16 matrices, transposed; lanes 0 .. 15 address their rows.
+__device__ __forceinline__ void Ldsm2T(uint32_t (&x)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(x[0]), "=r"(x[1])
+               : "r"(addr));
+}
+
 // The padding columns [width, kLd) of `count` staged bf16 planes of kRows
 // rows (plane q at planes + q kRows kLd): column width gets `first`, the
 // others 0. One thread per row of a plane: no division by the pitch per
