@@ -273,23 +273,24 @@ __device__ __forceinline__ void WalkQueryBlock(const Block<kFull>& bk, const Sma
   }
 }
 
-// The chunk's o rows from `ostage` to memory: whole 16-byte pieces where dv
-// % 8 == 0 and o is 16-byte aligned (vec), else one element at a time.
+// The o rows of the chunk at c0 (ce tokens) from `ostage` to memory: whole
+// 16-byte pieces where dv % 8 == 0 and o is 16-byte aligned (vec), else one
+// element at a time.
 template <bool kFull>
 __device__ __forceinline__ void StoreRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
-                                          int h, int64_t c0, const __nv_bfloat16* ostage,
+                                          int h, int64_t c0, int ce, const __nv_bfloat16* ostage,
                                           __nv_bfloat16* __restrict__ o, bool vec) {
   const int dv = bk.dv();
   const int64_t row0 = TokenRow(d, b, c0, h), step = d.H;
   if (vec) {
     const int pieces = dv >> 3;
-    for (int e = threadIdx.x; e < bk.ce * pieces; e += kThreads) {
+    for (int e = threadIdx.x; e < ce * pieces; e += kThreads) {
       const int m = e / pieces, q = e - m * pieces;
       *reinterpret_cast<uint4*>(o + (row0 + m * step) * dv + 8 * q) =
           *reinterpret_cast<const uint4*>(ostage + m * kLd + 8 * q);
     }
   } else {
-    for (int e = threadIdx.x; e < bk.ce * dv; e += kThreads) {
+    for (int e = threadIdx.x; e < ce * dv; e += kThreads) {
       const int m = e / dv, n = e - m * dv;
       o[(row0 + m * step) * dv + n] = ostage[m * kLd + n];
     }
@@ -299,13 +300,14 @@ __device__ __forceinline__ void StoreRows(const Block<kFull>& bk, const SmatCuda
 // Stages chunk k's psi and vbar (and with kPhi phi) of (b, h); returns the
 // chunk's tokens. The ones column of vbar: with kFull in columns the staging
 // never writes (64-71), so before the wait; otherwise after it, between two
-// barriers. Ends with the block's barrier.
-template <bool kWithPhi, bool kFull>
+// barriers. `work()` runs while the copies are in flight (it must not touch
+// the tiles). Ends with the block's barrier.
+template <bool kWithPhi, bool kFull, class Work>
 __device__ __forceinline__ int StageChunk(const SmatCudaDims& d, bool vec_in, int b, int h, int k,
                                           const __nv_bfloat16* __restrict__ phi,
                                           const __nv_bfloat16* __restrict__ psi,
                                           const __nv_bfloat16* __restrict__ v, int r, int dv,
-                                          __nv_bfloat16* base) {
+                                          __nv_bfloat16* base, Work&& work) {
   const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
   const int64_t tok = TokenRow(d, b, c0, h);
@@ -323,6 +325,7 @@ __device__ __forceinline__ int StageChunk(const SmatCudaDims& d, bool vec_in, in
     }
   };
   if (kFull) ones();
+  work();
   if (vec_in) CpAsyncWaitAll();
   __syncthreads();
   if (!kFull) {
@@ -357,7 +360,8 @@ __global__ void __launch_bounds__(kThreads)
   cuda_detail::ZeroAcc(acc0);
   cuda_detail::ZeroAcc(acc1);
   for (int k = k0; k < k1; ++k) {
-    const int ce = StageChunk<false, kFull>(d, vec_in, b, h, k, nullptr, psi, v, r, dv, base);
+    const int ce =
+        StageChunk<false, kFull>(d, vec_in, b, h, k, nullptr, psi, v, r, dv, base, [] {});
     bk.ce = ce;
     bk.nb = (ce + 15) >> 4;
     if (16 * mb < r) {
@@ -455,9 +459,13 @@ __global__ void __launch_bounds__(kThreads, 2)
         asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(row + 128 * piece));
       }
     }
-    bk.ce = StageChunk<true, kFull>(d, vec_in, b, h, k, phi, psi, v, r, dv, base);
+    // While chunk k's rows come in: S_in[k] out from the planes, and the
+    // previous chunk's o rows (a whole chunk) from the staging tile.
+    bk.ce = StageChunk<true, kFull>(d, vec_in, b, h, k, phi, psi, v, r, dv, base, [&] {
+      if (S_in != nullptr) WriteState(bk, S_in + ChunkRow(d, b, k, h) * W);
+      if (k > k0) StoreRows(bk, d, b, h, c0 - d.chunk, d.chunk, ostage, out.o, vec_out);
+    });
     bk.nb = (bk.ce + 15) >> 4;
-    if (S_in != nullptr) WriteState(bk, S_in + ChunkRow(d, b, k, h) * W);
     if (qi < bk.nb) WalkQueryBlock<kP>(bk, d, b, h, c0, qi, out, ostage);
     __syncthreads();  // the planes are read; the o rows are staged
     if (w < 4) {
@@ -465,9 +473,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     } else {
       UpdateState<5, 4>(bk, w & 3);
     }
-    StoreRows(bk, d, b, h, c0, ostage, out.o, vec_out);
-    __syncthreads();  // the tiles and the staged rows are free again
+    __syncthreads();  // the tiles and the planes are free again
   }
+  if (k1 > k0) StoreRows(bk, d, b, h, int64_t{k1 - 1} * d.chunk, bk.ce, ostage, out.o, vec_out);
 }
 
 // The segments of a walk over `d`'s span: one block per SM for each of
