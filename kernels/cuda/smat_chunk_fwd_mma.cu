@@ -12,24 +12,26 @@
 // bf16 planes ([64][72] each, S = S1 + S2 + S3), all zero beyond the chunk's
 // tokens and the matrices' sizes. 82 KB of shared memory: two blocks per SM.
 //
-// Products (mma.sync m16n8k16, bf16, fp32 accumulation): warp w takes the
-// output rows of query block w, columns 0-31, and of query block 7 - w,
-// columns 32-71 (w + 1 and 8 - w live key blocks: the same work per warp on a
-// full chunk). For each key block s-block j <= i it computes the 16 x 16 score
+// Products (mma.sync m16n8k16, bf16, fp32 accumulation; QueryBlock of
+// smat_chunk_fwd_mma.cuh): warp w takes every column of the output rows of
+// query block i (i = w for w < 4, 11 - w otherwise, so that the two warps of
+// a scheduler cover nine key blocks between them), with phi_i's fragments
+// held in registers. For each key block j <= i it computes the 16 x 16 score
 // tile A = phi psi^T (exact products: both operands bf16), applies W and the
 // causal mask in registers, splits it into three bf16 A fragments and
 // multiplies by the staged vbar rows (3 MMAs per n-tile); the state term is
 // phi (exact) times the three planes of S_in (3 MMAs per n-tile), scaled by
-// exp(lam_t) first. The den column (dv) is the ones column of vbar and column
-// dv of S_in, like any other.
+// exp(lam_t) first. The den column (dv) is column dv of S_in and, with the
+// widths as constants, the scores' row sums (else the ones column of vbar).
+// Before, each query block was split into two column halves on two warps,
+// both computing the same score tiles.
 //
 // Finishing the outputs (kNorm, SmatKernels::NormalizedOutputs): instead of
 // ybar, the kernel adds the per-type reads of recent rows (written before by
 // TypeReads with SmatWrite::kAssign) and writes den and bf16 o, so that
 // neither ybar nor its second and third passes (TypeReads +=, Normalize) go
-// through memory. The left halves of the rows (columns 0-31) wait in shared
-// memory until the warp holding column dv has stored 1 / den; o = y * (1 /
-// den), as LaunchSmatNormalize computes it.
+// through memory. o = y * (1 / den), as LaunchSmatNormalize computes it,
+// waits in shared memory and leaves in 16-byte pieces (StoreRows).
 //
 // Shapes: r = dv = 64 with aligned rows (kFull) runs a copy of the kernel in
 // which the widths are constants; Nsight Compute had shown integer and
@@ -44,17 +46,19 @@
 // 2.10 before kFull): TypeReads (=) + this = 2.25 ms, against 2.78 ms for
 // ChunkOutputs + TypeReads (+=) + Normalize.
 //
-// Exactness: as smat_chunk_mma.cu (every fp32 operand in three parts, the
-// correction terms in an accumulator of their own): within 1e-5 of the CPU
-// phase; a fixed summation order and no atomics, so the same inputs give the
+// Exactness: as smat_chunk_mma.cu, every fp32 operand in three parts, summed
+// smallest first into one accumulator per output element (the accumulator
+// of their own that the correction terms had took registers the full rows
+// need): within 1e-5 of the CPU phase (den within 4.6e-7 on the GPU tests'
+// cases); a fixed summation order and no atomics, so the same inputs give the
 // same bits (tests/gpu/smat_gpu_test.cc). SMAT_CUDA_BF16_PARTS=2 runs two
 // parts (kP; 2 MMAs per n-tile and term): NormalizedOutputs 1.50 -> 1.35 ms
-// at the shape above.
+// at the shape above with the column halves.
 //
-// The block shape, Outputs, Block and StageState: smat_chunk_fwd_mma.cuh
-// (shared with the walk of smat_chunk_walk.cu, which computes the same
-// outputs with the chunks' states carried from chunk to chunk in shared
-// memory and one warp per query block).
+// The block shape, Outputs, Block, StageState, QueryBlock and StoreRows:
+// smat_chunk_fwd_mma.cuh (shared with the walk of smat_chunk_walk.cu, which
+// computes the same outputs with the chunks' states carried from chunk to
+// chunk in shared memory).
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -68,222 +72,6 @@ namespace smat {
 namespace {
 
 using namespace chunk_fwd_mma;  // NOLINT: the tile's shared pieces
-
-// Output rows of query block i, n-tiles kN0 .. kN0 + kNt - 1 (8 columns each).
-template <bool kGated, bool kNorm, int kN0, int kNt, int kP, bool kFull>
-__device__ __forceinline__ void QueryRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
-                                          int h, int64_t c0, int i, const Outputs& out) {
-  constexpr int kPairs = (kNt + 1) / 2;  // ldmatrix x4 .trans loads two n-tiles
-  const int g = bk.g, tq = bk.tq;
-  float hi[kNt][4], lo[kNt][4];
-  cuda_detail::ZeroAcc(hi);
-  cuda_detail::ZeroAcc(lo);
-  // State term: phi_t (exact) times the planes of S_in.
-  for (int ks = 0; ks < bk.kr(); ++ks) {
-    uint32_t a[4];
-    Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
-    // Per accumulator the order of Mma1xP: lo += a S3, lo += a S2, hi += a S1.
-#pragma unroll
-    for (int q = kP - 1; q >= 0; --q) {
-#pragma unroll
-      for (int np = 0; np < kPairs; ++np) {
-        uint32_t bs[4];
-        Ldsm4T(bs, bk.Addr(kOffS + q * kPlane, 16 * ks, 8 * kN0 + 16 * np, bk.off_bt));
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          if (2 * np + h2 >= kNt) continue;
-          Mma(q == 0 ? hi[2 * np + h2] : lo[2 * np + h2], a, bs[2 * h2], bs[2 * h2 + 1]);
-        }
-      }
-    }
-  }
-  float lt[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int row = 16 * i + g + 8 * hr;
-    lt[hr] = bk.lam()[row];
-    if (kGated) {
-      const float wt = bk.wq()[row];
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          hi[nt][2 * hr + e1] = wt * (hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1]);
-          lo[nt][2 * hr + e1] = 0.f;
-        }
-    }
-  }
-  // With the widths as constants the last n-tile of the right halves
-  // (columns 64-71) holds only vbar's ones column (dv = 64): its causal part
-  // is the row sum of the score tiles X, added in fp32 instead of kP MMAs
-  // and a load of vbar per tile (and the warps' work evens out: the right
-  // halves had 5 n-tiles against the left halves' 4).
-  constexpr bool kOnesBySums = kFull && kN0 + kNt == 9;
-  float ones[2] = {0.f, 0.f};  // this lane's part of rows g, g + 8
-  // Causal sum over key blocks j <= i.
-  for (int j = 0; j <= i; ++j) {
-    float sc[2][4];
-    cuda_detail::ZeroAcc(sc);
-    for (int ks = 0; ks < bk.kr(); ++ks) {
-      uint32_t a[4], bp[4];
-      Ldsm4(a, bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
-      Ldsm4(bp, bk.Addr(kPsi * kTile, 16 * j, 16 * ks, bk.off_bn));
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) Mma(sc[nt], a, bp[2 * nt], bp[2 * nt + 1]);
-    }
-    // X[t, s] = W[t, s] A[t, s] for s <= t < ce; the mask only where the tile
-    // holds pairs outside (the diagonal block or the chunk's last block).
-    if (kGated) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int s = 16 * j + 8 * nt + 2 * tq + (e & 1);
-          sc[nt][e] *= expf(lt[e >> 1] - bk.lam()[s]);
-        }
-    }
-    MaskQueryTile(bk, i, j, g, tq, sc);
-    if (kOnesBySums) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ones[e >> 1] += sc[nt][e];
-    }
-    uint32_t xa[kP][4];
-    SplitTileParts<kP>(sc, xa);
-#pragma unroll
-    for (int np = 0; np < kPairs; ++np) {
-      if (kOnesBySums && np == kPairs - 1) continue;
-      uint32_t bv[4];
-      Ldsm4T(bv, bk.Addr(kV * kTile, 16 * j, 8 * kN0 + 16 * np, bk.off_bt));
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        if (2 * np + h2 >= kNt) continue;
-        MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bv[2 * h2], bv[2 * h2 + 1]);
-      }
-    }
-  }
-  if (kOnesBySums) {
-    // Column dv = 64 (lanes tq = 0, first of their pair) of the causal sum:
-    // the row sums of the quad's parts, in a fixed order.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float x = ones[hr];
-      x += __shfl_xor_sync(0xffffffffu, x, 1);
-      x += __shfl_xor_sync(0xffffffffu, x, 2);
-      if (tq == 0) hi[kNt - 1][2 * hr] += x;
-    }
-  }
-  if (!kNorm) {
-    // ybar[t][n] = hi + lo for t < ce, n < p (rows of p = dv + 1 floats).
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int m = 16 * i + g + 8 * hr;
-      if (m >= bk.ce) continue;
-      float* o = out.ybar + TokenRow(d, b, c0 + m, h) * bk.p();
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          const int n = 8 * (kN0 + nt) + 2 * tq + e1;
-          if (n < bk.p()) o[n] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
-        }
-    }
-  } else if (kN0 == 0) {
-    // The left halves wait in shared memory for the normalisers.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float* y = bk.yleft() + (16 * i + g + 8 * hr) * kLdY;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          y[8 * nt + 2 * tq + e1] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
-        }
-    }
-  } else {
-    // The right halves hold column dv (p > 32): add the reads, then den and
-    // the columns 32 .. dv - 1 of o, as LaunchSmatNormalize computes them.
-    const int dv = bk.dv();
-    const bool pairs = dv % 2 == 0;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int m = 16 * i + g + 8 * hr;
-      const int64_t row = TokenRow(d, b, c0 + m, h);
-      const bool read = out.reads != nullptr && c0 + m >= out.recent_begin && m < bk.ce;
-      float y[kNt][2];
-      float ydv = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          const int n = 8 * (kN0 + nt) + 2 * tq + e1;
-          y[nt][e1] = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
-          if (read && n < bk.p()) y[nt][e1] += out.reads[row * bk.p() + n];
-          if (n == dv) ydv = y[nt][e1];
-        }
-      // Column dv lives in lane tq = (dv % 8) / 2 of the row's quad.
-      ydv = __shfl_sync(0xffffffffu, ydv, (bk.g << 2) | ((dv & 7) >> 1));
-      const float dn = ydv + out.eps, inv = 1.f / dn;
-      if (m >= bk.ce) continue;
-      if (tq == ((dv & 7) >> 1)) {
-        bk.inv_den()[m] = inv;
-        out.den[row] = dn;
-      }
-      __nv_bfloat16* o = out.o + row * dv;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        const int n = 8 * (kN0 + nt) + 2 * tq;
-        const float o0 = __fmul_rn(y[nt][0], inv), o1 = __fmul_rn(y[nt][1], inv);
-        if (pairs && n + 1 < dv) {
-          *reinterpret_cast<__nv_bfloat162*>(o + n) = __floats2bfloat162_rn(o0, o1);
-        } else {
-          if (n < dv) o[n] = __float2bfloat16(o0);
-          if (n + 1 < dv) o[n + 1] = __float2bfloat16(o1);
-        }
-      }
-    }
-  }
-}
-
-// kNorm, after both halves: columns 0-31 of o (all below dv >= 32) from the
-// left halves, their reads and the normalisers. 16 threads per row, two
-// columns each; a thread's reads are all loaded before the first is used.
-template <bool kFull>
-__device__ __forceinline__ void FinishLeftHalves(const Block<kFull>& bk, const SmatCudaDims& d,
-                                                 int b, int h, int64_t c0, const Outputs& out) {
-  constexpr int kRows = kC / (kThreads / 16);  // rows per thread
-  const int dv = bk.dv(), tid = threadIdx.x;
-  const int n = 2 * (tid & 15), m0 = tid >> 4;
-  const bool read = out.reads != nullptr && c0 >= out.recent_begin;  // chunks never cross n
-  // Rows m0 + 16 k of the chunk: token rows 16 k H apart.
-  const int64_t row0 = TokenRow(d, b, c0 + m0, h), step = int64_t{kThreads / 16} * d.H;
-  float x[kRows][2];
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) {
-    const bool here = read && m0 + k * (kThreads / 16) < bk.ce;
-    const float* src = out.reads + (row0 + k * step) * bk.p() + n;
-    x[k][0] = here ? src[0] : 0.f;
-    x[k][1] = here ? src[1] : 0.f;
-  }
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) {
-    const int m = m0 + k * (kThreads / 16);
-    if (m >= bk.ce) break;
-    const float* yl = bk.yleft() + m * kLdY;
-    const float y0 = read ? yl[n] + x[k][0] : yl[n];
-    const float y1 = read ? yl[n + 1] + x[k][1] : yl[n + 1];
-    const float inv = bk.inv_den()[m];
-    const float o0 = __fmul_rn(y0, inv), o1 = __fmul_rn(y1, inv);
-    __nv_bfloat16* o = out.o + (row0 + k * step) * dv;
-    if (dv % 2 == 0) {
-      *reinterpret_cast<__nv_bfloat162*>(o + n) = __floats2bfloat162_rn(o0, o1);
-    } else {
-      o[n] = __float2bfloat16(o0);
-      o[n + 1] = __float2bfloat16(o1);
-    }
-  }
-}
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes (kNorm: kSmemNormBytes)
 // of shared memory. kFull: r = dv = kW and vec_in (see Block). kP: the bf16
@@ -352,12 +140,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   bk.off_a = (lane & 15) * kLd + (lane >> 4) * 8;
   bk.off_bn = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
   bk.off_bt = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
-  const int w = tid >> 5;
-  if (w < bk.nb) QueryRows<kGated, kNorm, 0, 4, kP>(bk, d, b, h, c0, w, out);
-  if (7 - w < bk.nb && p > 32) QueryRows<kGated, kNorm, 4, 5, kP>(bk, d, b, h, c0, 7 - w, out);
+  // Query block of warp w: warps w and w + 4 share a scheduler and take
+  // blocks i and 7 - i, whose causal sums together cover nine key blocks.
+  const int w = tid >> 5, qi = w < 4 ? w : 11 - w;
+  __nv_bfloat16* const ostage = bk.ostage();
+  if (qi < bk.nb) QueryBlock<kGated, kNorm, kP>(bk, d, b, h, c0, qi, out, ostage);
   if (kNorm) {
-    __syncthreads();  // every left half and normaliser is in shared memory
-    FinishLeftHalves(bk, d, b, h, c0, out);
+    __syncthreads();  // the o rows are staged
+    const bool vec_out = dv % 8 == 0 && (reinterpret_cast<uintptr_t>(out.o) & 15) == 0;
+    StoreRows(bk, d, b, h, c0, ce, ostage, out.o, vec_out);
   }
 }
 

@@ -137,166 +137,6 @@ __device__ __forceinline__ void WriteState(const Block<kFull>& bk, float* __rest
   }
 }
 
-// c += A B with A in kP parts (smallest first), B exact, one accumulator.
-template <int kP>
-__device__ __forceinline__ void MmaPx1One(float (&c)[4], const uint32_t (&a)[kP][4], uint32_t b0,
-                                          uint32_t b1) {
-#pragma unroll
-  for (int q = kP - 1; q >= 0; --q) Mma(c, a[q], b0, b1);
-}
-
-// The walk's query tile: the rows of query block i, every column, in one
-// warp. phi_i's A fragments stay in registers for the state term and every
-// key block; each score tile is computed once. In chunk order per element of
-// the accumulator: phi_i S_in (per k-step the planes smallest first), then per
-// key block j <= i the masked scores (kP parts, smallest first) times vbar_j;
-// with the widths as constants vbar's ones column (dv = 64) as the scores' row
-// sums in fp32. Then the reads of recent rows, den = y[dv] + eps and o = y /
-// den, rounded to bf16 into `ostage` ([kC][kLd], written out by StoreRows).
-template <int kP, bool kFull>
-__device__ __forceinline__ void WalkQueryBlock(const Block<kFull>& bk, const SmatCudaDims& d, int b,
-                                               int h, int64_t c0, int i, const Outputs& out,
-                                               __nv_bfloat16* ostage) {
-  constexpr int kNt = kLd / 8;  // n-tiles: columns 0-71 hold p <= 65
-  static_assert(kNt == 9 && kW == 64, "four n-tile pairs and one more");
-  const int g = bk.g, tq = bk.tq, p = bk.p(), dv = bk.dv(), kr = bk.kr();
-  float acc[kNt][4];
-  cuda_detail::ZeroAcc(acc);
-  uint32_t a[4][4];
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    if (ks < kr) Ldsm4(a[ks], bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
-  }
-  // The state term. Lanes 0-15 address n-tile 8's rows for the x2 loads.
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    if (ks >= kr) break;
-#pragma unroll
-    for (int q = kP - 1; q >= 0; --q) {
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (!kFull && 16 * np >= p) break;
-        uint32_t bs[4];
-        Ldsm4T(bs, bk.Addr(kOffS + q * kPlane, 16 * ks, 16 * np, bk.off_bt));
-        Mma(acc[2 * np], a[ks], bs[0], bs[1]);
-        if (kFull || 16 * np + 8 < p) Mma(acc[2 * np + 1], a[ks], bs[2], bs[3]);
-      }
-      if (p > 64) {
-        uint32_t bs[2];
-        Ldsm2T(bs, bk.Addr(kOffS + q * kPlane, 16 * ks, 64, bk.off_bt));
-        Mma(acc[8], a[ks], bs[0], bs[1]);
-      }
-    }
-  }
-  // The causal sum over key blocks j <= i.
-  float ones[2] = {0.f, 0.f};  // kFull: this lane's part of rows g, g + 8
-  for (int j = 0; j <= i; ++j) {
-    float sc[2][4];
-    cuda_detail::ZeroAcc(sc);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (ks >= kr) break;
-      uint32_t bp[4];
-      Ldsm4(bp, bk.Addr(kPsi * kTile, 16 * j, 16 * ks, bk.off_bn));
-      Mma(sc[0], a[ks], bp[0], bp[1]);
-      Mma(sc[1], a[ks], bp[2], bp[3]);
-    }
-    MaskQueryTile(bk, i, j, g, tq, sc);
-    if (kFull) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ones[e >> 1] += sc[nt][e];
-    }
-    uint32_t xa[kP][4];
-    SplitTileParts<kP>(sc, xa);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (!kFull && 16 * np >= p) break;
-      uint32_t bv[4];
-      Ldsm4T(bv, bk.Addr(kV * kTile, 16 * j, 16 * np, bk.off_bt));
-      MmaPx1One<kP>(acc[2 * np], xa, bv[0], bv[1]);
-      if (kFull || 16 * np + 8 < p) MmaPx1One<kP>(acc[2 * np + 1], xa, bv[2], bv[3]);
-    }
-    if (!kFull && p > 64) {
-      uint32_t bv[2];
-      Ldsm2T(bv, bk.Addr(kV * kTile, 16 * j, 64, bk.off_bt));
-      MmaPx1One<kP>(acc[8], xa, bv[0], bv[1]);
-    }
-  }
-  if (kFull) {
-    // Column dv = 64 (lanes tq = 0, first of their pair): the row sums of the
-    // quad's parts, in a fixed order.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float x = ones[hr];
-      x += __shfl_xor_sync(0xffffffffu, x, 1);
-      x += __shfl_xor_sync(0xffffffffu, x, 2);
-      if (tq == 0) acc[8][2 * hr] += x;
-    }
-  }
-  const bool read = out.reads != nullptr && c0 >= out.recent_begin;  // chunks never cross n
-  const int tdv = (dv & 7) >> 1;  // the lane of the quad holding column dv
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int m = 16 * i + g + 8 * hr;
-    const bool here = m < bk.ce;
-    const int64_t row = TokenRow(d, b, c0 + min(m, bk.ce - 1), h);
-    if (read && here) {
-      const float* src = out.reads + row * p;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          const int n = 8 * nt + 2 * tq + e1;
-          if (n < p) acc[nt][2 * hr + e1] += src[n];
-        }
-    }
-    float ydv = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        if (8 * nt + 2 * tq + e1 == dv) ydv = acc[nt][2 * hr + e1];
-      }
-    ydv = __shfl_sync(0xffffffffu, ydv, (g << 2) | tdv);
-    const float dn = ydv + out.eps, inv = 1.f / dn;
-    if (here && tq == tdv) out.den[row] = dn;
-    __nv_bfloat16* srow = ostage + m * kLd;
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-      const int n = 8 * nt + 2 * tq;
-      if (n >= dv) continue;
-      *reinterpret_cast<__nv_bfloat162*>(srow + n) = __floats2bfloat162_rn(
-          __fmul_rn(acc[nt][2 * hr], inv), __fmul_rn(acc[nt][2 * hr + 1], inv));
-    }
-  }
-}
-
-// The o rows of the chunk at c0 (ce tokens) from `ostage` to memory: whole
-// 16-byte pieces where dv % 8 == 0 and o is 16-byte aligned (vec), else one
-// element at a time.
-template <bool kFull>
-__device__ __forceinline__ void StoreRows(const Block<kFull>& bk, const SmatCudaDims& d, int b,
-                                          int h, int64_t c0, int ce, const __nv_bfloat16* ostage,
-                                          __nv_bfloat16* __restrict__ o, bool vec) {
-  const int dv = bk.dv();
-  const int64_t row0 = TokenRow(d, b, c0, h), step = d.H;
-  if (vec) {
-    const int pieces = dv >> 3;
-    for (int e = threadIdx.x; e < ce * pieces; e += kThreads) {
-      const int m = e / pieces, q = e - m * pieces;
-      *reinterpret_cast<uint4*>(o + (row0 + m * step) * dv + 8 * q) =
-          *reinterpret_cast<const uint4*>(ostage + m * kLd + 8 * q);
-    }
-  } else {
-    for (int e = threadIdx.x; e < ce * dv; e += kThreads) {
-      const int m = e / dv, n = e - m * dv;
-      o[(row0 + m * step) * dv + n] = ostage[m * kLd + n];
-    }
-  }
-}
-
 // Stages chunk k's psi and vbar (and with kPhi phi) of (b, h); returns the
 // chunk's tokens. The ones column of vbar: with kFull in columns the staging
 // never writes (64-71), so before the wait; otherwise after it, between two
@@ -444,8 +284,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Query block of warp w: warps w and w + 4 share a scheduler and take
   // blocks i and 7 - i, whose causal sums together cover nine key blocks.
   const int qi = w < 4 ? w : 11 - w;
-  __nv_bfloat16* const ostage = reinterpret_cast<__nv_bfloat16*>(bk.yleft());
-  static_assert(kC * kLd * 2 <= kC * kLdY * 4, "the o rows fit where the left halves waited");
+  __nv_bfloat16* const ostage = bk.ostage();
   const bool vec_out = dv % 8 == 0 && (reinterpret_cast<uintptr_t>(out.o) & 15) == 0;
   for (int k = k0; k < k1; ++k) {
     const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
@@ -466,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (k > k0) StoreRows(bk, d, b, h, c0 - d.chunk, d.chunk, ostage, out.o, vec_out);
     });
     bk.nb = (bk.ce + 15) >> 4;
-    if (qi < bk.nb) WalkQueryBlock<kP>(bk, d, b, h, c0, qi, out, ostage);
+    if (qi < bk.nb)
+      QueryBlock</*kGated=*/false, /*kNorm=*/true, kP>(bk, d, b, h, c0, qi, out, ostage);
     __syncthreads();  // the planes are read; the o rows are staged
     if (w < 4) {
       UpdateState<0, 5>(bk, w & 3);
