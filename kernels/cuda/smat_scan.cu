@@ -114,21 +114,42 @@ __device__ __forceinline__ void BlockChunks(const SmatCudaDims& d, int blk, int6
   }
 }
 
-constexpr int kScanUnroll = 16;
+// The chunks a step of the scans walks: their loads are issued before their
+// updates. The loads do not depend on the carried state, and keeping several
+// in flight per thread is what lets this one-thread-per-element walk stream.
+// H200, T = 524288, 8 heads (17 x 8 blocks of 256 threads per part): with two
+// parts of 2048 chunks (d = 2) 16 in flight are best (ChunkScan 0.36 ms,
+// ChunkScanBackward 0.33; 0.39 and 0.38 with 8, 0.43 and 0.39 with 32); with
+// one part of 4096 chunks and half the blocks (d = 1 as one causal block) 32
+// (ChunkScanBackward 0.46 -> 0.40 ms, ChunkScan 0.51 -> 0.44).
+constexpr int kScanUnrollTwoParts = 16, kScanUnrollOnePart = 32;
+
+// Whether the span's chunks all lie in one part (BlockChunks' split at 0 or
+// at Lc): then half the scans' blocks have nothing to walk.
+bool ScanOnePart(const SmatCudaDims& d) {
+  const int64_t split =
+      std::min<int64_t>(d.Lc, std::max<int64_t>(0, d.n / d.chunk - d.t0 / d.chunk));
+  return split == 0 || split == d.Lc;
+}
 
 // e[u] = exp(chunk_decay) of chunk k + u (1 past k_end, or ungated), for the
 // kScanUnroll chunks a step of the scans walks; kStep -1 walks down (chunk
 // k - u, past k_end below it). Lane u computes the u-th and the warp shares
-// them, instead of each of the r p threads computing all of them. All 32
-// lanes must call it.
-template <int kStep = 1>
+// them, instead of each of the r p threads computing all of them; with `sum`
+// the lane also adds its chunk's decay to *sum. All 32 lanes must call it.
+template <int kScanUnroll, int kStep = 1>
 __device__ __forceinline__ void ScanDecays(const SmatCudaDims& d, const float* __restrict__ cd,
                                            int b, int h, int64_t k, int64_t k_end, int lane,
-                                           float (&e)[kScanUnroll]) {
+                                           float (&e)[kScanUnroll], double* sum = nullptr) {
+  static_assert(kScanUnroll <= 32, "a lane per chunk of the step");
   float mine = 1.f;
   const int64_t kl = k + kStep * lane;
   const bool ok = kStep > 0 ? kl < k_end : kl >= k_end;
-  if (cd != nullptr && lane < kScanUnroll && ok) mine = expf(cd[ChunkRow(d, b, kl, h)]);
+  if (cd != nullptr && lane < kScanUnroll && ok) {
+    const float c = cd[ChunkRow(d, b, kl, h)];
+    mine = expf(c);
+    if (sum != nullptr) *sum += c;
+  }
 #pragma unroll
   for (int u = 0; u < kScanUnroll; ++u) e[u] = __shfl_sync(0xffffffffu, mine, u);
 }
@@ -136,6 +157,7 @@ __device__ __forceinline__ void ScanDecays(const SmatCudaDims& d, const float* _
 // ---- F3 ---------------------------------------------------------------------------
 // grid (ceil(r p / 256), batch * H, 2 blocks). Y carries the state with the
 // incoming one, X the span's own part (span_state), both in chunk order.
+template <int kScanUnroll>
 __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
                                 const float* __restrict__ cd, const float* __restrict__ incoming,
                                 float* __restrict__ S_in, float* __restrict__ span_state,
@@ -146,33 +168,16 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
   int64_t k0, k1;
   BlockChunks(d, blk, &k0, &k1);
   const int64_t blk_row = (static_cast<int64_t>(b) * 2 + blk) * d.H + h;
-  if (w == 0) {
-    // In chunk order, kScanUnroll loads in flight at a time.
-    double s = 0.0;
-    if (cd != nullptr) {
-      for (int64_t k = k0; k < k1; k += kScanUnroll) {
-        float c[kScanUnroll];
-#pragma unroll
-        for (int u = 0; u < kScanUnroll; ++u)
-          c[u] = cd[ChunkRow(d, b, cuda_detail::Min64(k + u, k1 - 1), h)];
-#pragma unroll
-        for (int u = 0; u < kScanUnroll; ++u)
-          if (k + u < k1) s += c[u];
-      }
-    }
-    span_decay[blk_row] = static_cast<float>(s);
-  }
+  // The part's total decay: lane u sums the decays of chunks u, u + 32, ...
+  // as ScanDecays loads them, then the lanes' sums are added in a fixed
+  // order. (One thread walking every chunk first held its block's scan back:
+  // gated, d = 1, T = 524288, ChunkScan took 0.70 ms against 0.51 ungated.)
+  double decay = 0.0;
   // Threads past the state stay (no early return): the warp shares the decays.
   const bool live = w < W;
   const int lane = threadIdx.x & 31;
   float Y = (live && k0 < k1 && incoming != nullptr) ? incoming[blk_row * W + w] : 0.f;
   float X = 0.f;
-  // kScanUnroll chunks' loads issued before their updates: the loads do not
-  // depend on the carried state, and keeping several in flight per thread is
-  // what lets this one-thread-per-element walk stream. With 16 in flight
-  // against 8 (H200, T = 524288, d = 2, 8 heads: 17 x 8 x 2 blocks of 256
-  // threads), ChunkScan takes 0.36 ms against 0.39 and ChunkScanBackward 0.33
-  // against 0.38.
   for (int64_t k = k0; k < k1; k += kScanUnroll) {
     float e[kScanUnroll], Dk[kScanUnroll];
 #pragma unroll
@@ -181,7 +186,7 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
       const int64_t row = ChunkRow(d, b, ok ? k + u : k, h);
       Dk[u] = ok && live ? D[row * W + w] : 0.f;
     }
-    ScanDecays(d, cd, b, h, k, k1, lane, e);
+    ScanDecays<kScanUnroll>(d, cd, b, h, k, k1, lane, e, &decay);
     if (!live) continue;
 #pragma unroll
     for (int u = 0; u < kScanUnroll; ++u) {
@@ -192,11 +197,17 @@ __global__ void ChunkScanKernel(SmatCudaDims d, const float* __restrict__ D,
     }
   }
   if (live) span_state[blk_row * W + w] = X;
+  if (w < 32) {
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) decay += __shfl_down_sync(0xffffffffu, decay, off);
+    if (w == 0) span_decay[blk_row] = static_cast<float>(decay);
+  }
 }
 
 // ---- B6 ---------------------------------------------------------------------------
 // Sigma[k] = S_in_bar[k] + exp(cd[k]) Sigma[k+1], D_bar[k] = Sigma[k+1], walked
 // from the last chunk of the block's part down.
+template <int kScanUnroll>
 __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict__ S_in_bar,
                                         const float* __restrict__ cd,
                                         const float* __restrict__ incoming_grad,
@@ -220,7 +231,7 @@ __global__ void ChunkScanBackwardKernel(SmatCudaDims d, const float* __restrict_
       const int64_t row = ChunkRow(d, b, ok ? k - u : k, h);
       g[u] = ok && live ? S_in_bar[row * W + w] : 0.f;
     }
-    ScanDecays<-1>(d, cd, b, h, k, k0, lane, e);
+    ScanDecays<kScanUnroll, -1>(d, cd, b, h, k, k0, lane, e);
     if (!live) continue;
 #pragma unroll
     for (int u = 0; u < kScanUnroll; ++u) {
@@ -539,8 +550,9 @@ cudaError_t LaunchSmatChunkScan(const SmatCudaDims& d, const float* D, const flo
                                 const float* incoming, float* S_in, float* span_state,
                                 float* span_decay, cudaStream_t stream) {
   const dim3 grid(GridFor(static_cast<int64_t>(d.r) * d.p, kThreads), d.batch * d.H, 2);
-  ChunkScanKernel<<<grid, kThreads, 0, stream>>>(d, D, chunk_decay, incoming, S_in, span_state,
-                                                 span_decay);
+  auto kernel =
+      ScanOnePart(d) ? ChunkScanKernel<kScanUnrollOnePart> : ChunkScanKernel<kScanUnrollTwoParts>;
+  kernel<<<grid, kThreads, 0, stream>>>(d, D, chunk_decay, incoming, S_in, span_state, span_decay);
   return cudaGetLastError();
 }
 
@@ -549,8 +561,10 @@ cudaError_t LaunchSmatChunkScanBackward(const SmatCudaDims& d, const float* S_in
                                         float* D_bar, float* span_state_grad,
                                         cudaStream_t stream) {
   const dim3 grid(GridFor(static_cast<int64_t>(d.r) * d.p, kThreads), d.batch * d.H, 2);
-  ChunkScanBackwardKernel<<<grid, kThreads, 0, stream>>>(d, S_in_bar, chunk_decay, incoming_grad,
-                                                         D_bar, span_state_grad);
+  auto kernel = ScanOnePart(d) ? ChunkScanBackwardKernel<kScanUnrollOnePart>
+                               : ChunkScanBackwardKernel<kScanUnrollTwoParts>;
+  kernel<<<grid, kThreads, 0, stream>>>(d, S_in_bar, chunk_decay, incoming_grad, D_bar,
+                                        span_state_grad);
   return cudaGetLastError();
 }
 
