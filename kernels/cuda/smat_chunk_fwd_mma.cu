@@ -39,12 +39,11 @@
 // general kernel's, tensor-core MMAs at 9%.
 //
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
-// 2026-12-01): 1.41 ms (74 TFLOP/s of exact-product FLOPs, 2.3 TB/s; 1.61
-// with the widths as launch values), against 4.95 ms for the tile of
-// smat_chunk_mma.cu and 6.04 ms with FFMA; gated 1.69. With kNorm 1.50 ms
-// (gated 1.70; 1.54 and 1.77 with S_in split element by element, 1.90 and
-// 2.10 before kFull): TypeReads (=) + this = 2.25 ms, against 2.78 ms for
-// ChunkOutputs + TypeReads (+=) + Normalize.
+// 2026-12-01): 1.16 ms (89 TFLOP/s of exact-product FLOPs, 2.8 TB/s), gated
+// 1.33; with kNorm 1.13 ms at d = 1 and 1.31 ms with the reads of d = 2
+// (gated 1.44). With the column halves: 1.39 ms (1.56 gated), kNorm 1.50 ms
+// (gated 1.74); before that 4.95 ms for the tile of smat_chunk_mma.cu and
+// 6.04 ms with FFMA.
 //
 // Exactness: as smat_chunk_mma.cu, every fp32 operand in three parts, summed
 // smallest first into one accumulator per output element (the accumulator

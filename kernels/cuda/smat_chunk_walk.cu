@@ -20,11 +20,18 @@
 // the state. Ungated only: gated inputs keep the three phases.
 //
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
-// 2026-12-01): 1.78 ms at d = 1 (the totals 0.30 ms, the walk 1.45 ms)
-// against 2.32 ms for ChunkSummaries, ChunkScan and NormalizedOutputs. With
-// the forward tile's split of each query block into two column halves (both
-// halves computing the same score tiles, phi's fragments loaded again per key
-// block) the walk took 1.63 ms.
+// 2026-12-01): 1.68 ms at d = 1 (the totals 0.30 ms, the walk 1.37 ms)
+// against 2.04 ms for ChunkSummaries, ChunkScan and NormalizedOutputs. With
+// the forward tile's old split of each query block into two column halves
+// (both halves computing the same score tiles, phi's fragments loaded again
+// per key block) the walk took 1.63 ms; 1.45 ms with one warp per query
+// block, 1.37 ms with S_in and the previous chunk's o rows written while a
+// chunk's rows load. Not kept: the update's products on the warps with the
+// fewer key blocks before the barrier, and the next chunk's copies issued
+// right after it (1.38 ms); the next key block's scores computed before a
+// block's products (1.39 ms). Nsight Compute (at 1.37 ms): issue slots 47%,
+// L1 62%, tensor pipe 35%, 0.9 eligible warps per scheduler of 3.7: the walk
+// waits on its dependences more than on any one unit.
 //
 // The block shape and the shared pieces: smat_chunk_fwd_mma.cuh.
 #include <cuda_bf16.h>
