@@ -90,24 +90,17 @@ __device__ __forceinline__ void StageState(const float* __restrict__ S, int r, i
   }
 }
 
-// c += A B with A in kP parts (smallest first), B exact, one accumulator.
-template <int kP>
-__device__ __forceinline__ void MmaPx1One(float (&c)[4], const uint32_t (&a)[kP][4], uint32_t b0,
-                                          uint32_t b1) {
-#pragma unroll
-  for (int q = kP - 1; q >= 0; --q) Mma(c, a[q], b0, b1);
-}
-
 // The output rows of query block i, every column, in one warp. phi_i's A
 // fragments stay in registers for the state term and every key block; each
 // score tile is computed once. In this order per element of the accumulator:
 // phi_i S_in (per k-step the planes smallest first; gated, times exp(lam_t)),
 // then per key block j <= i the masked scores (gated, times W[t, s]; kP parts,
-// smallest first) times vbar_j; with the widths as constants vbar's ones
-// column (dv = 64) as the scores' row sums in fp32. Then ybar (written), or
-// with kNorm the reads of recent rows, den = y[dv] + eps and o = y * (1 /
-// den) as LaunchSmatNormalize computes them, o rounded to bf16 into `ostage`
-// ([kC][kLd], written out by StoreRows).
+// smallest first: MmaPx1 with one accumulator as hi and lo) times vbar_j;
+// with the widths as constants vbar's ones column (dv = 64) as the scores'
+// row sums in fp32. Then ybar (written), or with kNorm the reads of recent
+// rows, den = y[dv] + eps and o = y * (1 / den) as LaunchSmatNormalize
+// computes them, o rounded to bf16 into `ostage` ([kC][kLd], written out by
+// StoreRows).
 template <bool kGated, bool kNorm, int kP, bool kFull>
 __device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCudaDims& d, int b,
                                            int h, int64_t c0, int i, const Outputs& out,
@@ -190,13 +183,15 @@ __device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCud
       if (!kFull && 16 * np >= p) break;
       uint32_t bv[4];
       Ldsm4T(bv, bk.Addr(kV * kTile, 16 * j, 16 * np, bk.off_bt));
-      MmaPx1One<kP>(acc[2 * np], xa, bv[0], bv[1]);
-      if (kFull || 16 * np + 8 < p) MmaPx1One<kP>(acc[2 * np + 1], xa, bv[2], bv[3]);
+      MmaPx1<kP>(acc[2 * np], acc[2 * np], xa, bv[0], bv[1]);
+      if (kFull || 16 * np + 8 < p) {
+        MmaPx1<kP>(acc[2 * np + 1], acc[2 * np + 1], xa, bv[2], bv[3]);
+      }
     }
     if (!kFull && p > 64) {
       uint32_t bv[2];
       Ldsm2T(bv, bk.Addr(kV * kTile, 16 * j, 64, bk.off_bt));
-      MmaPx1One<kP>(acc[8], xa, bv[0], bv[1]);
+      MmaPx1<kP>(acc[8], acc[8], xa, bv[0], bv[1]);
     }
   }
   if (kFull) {

@@ -346,7 +346,8 @@ __device__ __forceinline__ void Mma3x3(float (&hi)[4], float (&lo)[4], const uin
   Mma(hi, a[0], b[0][0], b[0][1]);
 }
 
-// The same with kP parts (2 or 3) of each split operand. Two parts: A B in
+// The same with kP parts (2 or 3) of each split operand. hi and lo may be
+// one accumulator: then every term goes to it, the smallest first. Two parts: A B in
 // 1 + 1 MMAs (one exact operand) or the three terms a1 b1, a1 b2, a2 b1 (both
 // split): each split operand off by at most 2^-16 relative (three parts:
 // exact), and a2 b2 (<= 2^-16 relative) left out.
