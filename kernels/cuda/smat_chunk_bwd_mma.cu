@@ -31,9 +31,11 @@
 // fp32 tile into three bf16 A fragments (the accumulator layout of m16n8 is
 // the A layout of m16k16) and multiplies by the staged rows of that block
 // (ldmatrix, .trans where the k index is the token). Dead causal blocks are
-// skipped. Warp w takes query rows w (w + 1 blocks), key rows w for psi_bar
-// (8 - w), and v_bar in two 32-column halves, key rows w (8 - w) and 7 - w
-// (w + 1): every warp does the same work on a full chunk.
+// skipped. Each warp takes one row block of each output, all its columns
+// (see the kernel for which), so that each score tile is computed once per
+// orientation it is needed in: A^T once for all of v_bar's columns, where two
+// 32-column halves on two warps computed it twice (B7 5.63-5.68 ->
+// 5.43-5.46 ms at the shape below, 2026-12-01).
 //
 // The side terms (S_in, D_bar) follow, after a block barrier, by columns
 // instead (SideTerms): warp w adds columns [8 w, 8 w + 8) of all three outputs
@@ -64,9 +66,10 @@
 // off-diagonal gates from their factors (mma_tiles::GateFactors; 6.11 ms
 // with an exp per element), writing its
 // outputs (kAssign; ungated 7.27 ms with the side terms by rows, 8.51 ms
-// adding to outputs read back), against 21.7 ms for the three FFMA tiles. Per
-// (chunk, b * H) the kernel issues 8832 MMAs (the splits make that about five
-// times the FLOPs of an exact product): about 200 TFLOP/s of mma.sync. The
+// adding to outputs read back), against 21.7 ms for the three FFMA tiles;
+// 5.43-5.46 ms with v_bar's rows on one warp each. Per (chunk, b * H) the
+// kernel issues 8544 MMAs (the splits make that about five times the FLOPs
+// of an exact product): about 200 TFLOP/s of mma.sync. The
 // kernel is instruction-fetch sensitive: at 174 KB of code (every loop
 // unrolled) it took 13.9 ms, hence the loops kept rolled below. 128 registers,
 // 114,432 bytes of shared memory.
@@ -246,15 +249,13 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const Sma
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r(), hi, lo, psi_bar);
 }
 
-// v_bar rows s of block j, columns [32 hf, 32 hf + 32) += the causal sum
-// (kAssign: =).
+// v_bar rows s of block j, every column, += the causal sum (kAssign: =):
+// each score tile once for all dv columns.
 template <bool kGated, bool kAssign, bool kFull, int kP>
 __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
-                                         int h, int64_t c0, int j, int hf,
-                                         float* __restrict__ v_bar) {
+                                         int h, int64_t c0, int j, float* __restrict__ v_bar) {
   const int g = bk.g, tq = bk.tq, dv = bk.dv();
-  const int n0 = 32 * hf;
-  float hi[4][4], lo[4][4];
+  float hi[8][4], lo[8][4];
   float ls[2], cs[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -286,10 +287,10 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatC
     uint32_t xa[kP][4];
     SplitTileParts<kP>(sc, xa);
 #pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      if (n0 + 16 * np >= dv) continue;
+    for (int np = 0; np < 4; ++np) {
+      if (16 * np >= dv) continue;
       uint32_t bg[kP][4];
-      bk.template LoadG</*kTrans=*/true>(bg, 16 * i, n0 + 16 * np, bk.off_bt);
+      bk.template LoadG</*kTrans=*/true>(bg, 16 * i, 16 * np, bk.off_bt);
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         uint32_t bb[kP][2];
@@ -302,7 +303,7 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatC
       }
     }
   }
-  StoreRows<4, kAssign>(bk, d, b, h, c0, 16 * j, n0, dv, bk.pairs_v(), hi, lo, v_bar);
+  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, dv, bk.pairs_v(), hi, lo, v_bar);
 }
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes<kP> of shared memory.
@@ -409,16 +410,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
   const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
   const int w = tid >> 5;
-  if (w < bk.nb) {
-    QueryRows<kGated, kAssign>(bk, d, b, h, c0, w, phi_bar);
-    KeyRowsPsi<kGated, kAssign>(bk, d, b, h, c0, w, psi_bar);
-  }
-  // One call site for both v_bar halves keeps the kernel's code small.
-#pragma unroll 1
-  for (int hf = 0; hf < 2; ++hf) {
-    const int j = hf == 0 ? w : 7 - w;
-    if (j < bk.nb && 32 * hf < dv) KeyRowsV<kGated, kAssign>(bk, d, b, h, c0, j, hf, v_bar);
-  }
+  // The row blocks of warp w: query rows (w + 4) % 8 (a causal sum over
+  // (w + 4) % 8 + 1 key blocks), psi_bar rows 2 (w % 4) + w / 4 and v_bar
+  // rows 7 - w (8 - j query blocks for key rows j). At 48 MMAs per block of
+  // a query or psi_bar sum and 56 per block of a v_bar sum, each warp issues
+  // 664-704 MMAs of a full chunk's causal sums (the mean: 684).
+  const int qi = (w + 4) & 7, pj = 2 * (w & 3) + (w >> 2), vj = 7 - w;
+  if (qi < bk.nb) QueryRows<kGated, kAssign>(bk, d, b, h, c0, qi, phi_bar);
+  if (pj < bk.nb) KeyRowsPsi<kGated, kAssign>(bk, d, b, h, c0, pj, psi_bar);
+  if (vj < bk.nb) KeyRowsV<kGated, kAssign>(bk, d, b, h, c0, vj, v_bar);
   // The side terms add to rows that other warps' causal sums wrote. Their
   // matrices come through shared memory, into phi's tile, which they do not
   // read: D_bar for the two key sides, then S_in for the query side.
