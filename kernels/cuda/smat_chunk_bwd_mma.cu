@@ -37,11 +37,11 @@
 // 32-column halves on two warps computed it twice (B7 5.63-5.68 ->
 // 5.43-5.46 ms at the shape below, 2026-12-01).
 //
-// The side terms (S_in, D_bar) follow, after a block barrier, by columns
-// instead (SideTerms): warp w adds columns [8 w, 8 w + 8) of all three outputs
-// for every token, so each warp loads and splits one eighth of S_in and D_bar.
-// With the rows' owners computing them, every warp loaded and split all of
-// both: half the kernel's instructions, 7.27 ms against 6.24 ms then. S_in
+// The side terms (S_in, D_bar) follow, after a block barrier, by column blocks
+// instead (SideTerms): warp w adds 16 columns of all three outputs for 64
+// tokens, so each warp loads and splits a quarter of S_in and D_bar. With the
+// rows' owners computing them, every warp loaded and split all of both: half
+// the kernel's instructions, 7.27 ms against 6.24 ms then. S_in
 // and D_bar reach the warps through phi's tile (StageSide), one coalesced
 // pass each, instead of every warp's scattered fragment loads from global
 // memory: 5.66 -> 5.59 ms, the kernel being bound by L1 throughput (Nsight
@@ -67,7 +67,9 @@
 // with an exp per element), writing its
 // outputs (kAssign; ungated 7.27 ms with the side terms by rows, 8.51 ms
 // adding to outputs read back), against 21.7 ms for the three FFMA tiles;
-// 5.43-5.46 ms with v_bar's rows on one warp each. Per (chunk, b * H) the
+// 5.43-5.46 ms with v_bar's rows on one warp each, 4.93-4.97 ms with the
+// side terms by 16 columns of half the rows (8 columns of every row before:
+// each warp loaded the A fragments of the whole chunk). Per (chunk, b * H) the
 // kernel issues 8544 MMAs (the splits make that about five times the FLOPs
 // of an exact product): about 200 TFLOP/s of mma.sync. The
 // kernel is instruction-fetch sensitive: at 174 KB of code (every loop

@@ -152,18 +152,23 @@ __device__ __forceinline__ void StoreRows(const Block<kFull, kP>& bk, const Smat
   }
 }
 
-// The side terms, by columns: warp w owns the 8 columns [8 w, 8 w + 8) of
-// each output for every token of the chunk, so it loads and splits one eighth
-// of S_in and D_bar (a warp that owned rows, as the causal sums do, would need
-// all of both: eight times the loads and splits, which were half the kernel's
-// instructions). Added to out after the causal sums:
+// The side terms, by column blocks: warp w owns the 16 columns
+// [16 (w % 4), + 16) of each output for the 64 tokens of row blocks
+// [4 (w / 4), + 4), so it loads and splits a quarter of S_in and D_bar (a
+// warp that owned rows, as the causal sums do, would need all of both: four
+// times the loads and splits, which were half the kernel's instructions when
+// each warp loaded all of both). Added to out after the causal sums:
 //   phi_bar_t += wq_t (sum_{k < dv} gbar_t[k] S[n][k] + gbar_t[dv] S[n][dv])
 //   psi_bar_s += w_s (sum_{k < dv} D[n][k] v_s[k] + D[n][dv])
 //   v_bar_s   += w_s sum_{k < r} psi_s[k] D[k][n]
-// kSide: which of the three. The B fragments of the warp's columns stay in
-// registers (kP parts x 4 k-steps); four 16-row blocks at a time, so that four
-// independent accumulator chains hide the MMA latency and the old values of
-// their rows load while the products run.
+// kSide: which of the three. The B fragments of the warp's two n8 tiles stay
+// in registers (kP parts x 4 k-steps); one 16-row block at a time, its old
+// values loaded before its products. Against 8 columns of all 128 tokens per
+// warp, each warp loads the A fragments (gbar's planes, v or psi) of half the
+// chunk's rows instead of all of them: B7 5.43 -> 4.93-5.00 ms (H200, bf16,
+// T = 524288, d = 2, 8 heads, r = dv = 64, 2026-12-01); two row blocks at a
+// time, with the B fragments split again per k-step to stay within 128
+// registers, took 5.10 ms.
 enum class Side { kQuery, kKeyPsi, kKeyV };
 
 // The chunk's n = r p floats of S_in or D_bar (global, row-major) into `to`
@@ -190,99 +195,113 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
   const int g = bk.g, tq = bk.tq;
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
   const int width = kKeyV ? bk.dv() : bk.r();
-  const int n = 8 * w + 2 * tq;  // this thread's first output column
-  if (8 * w >= width) return;
-  // B(k, n) = M[n][k] (query, key psi: k < dv) or M[k][n] (key v: k < r).
+  const int n0 = 16 * (w & 3), i_first = 4 * (w >> 2);
+  if (n0 >= width || i_first >= bk.nb) return;
+  // B(k, n) = M[n][k] (query, key psi: k < dv) or M[k][n] (key v: k < r),
+  // for the warp's two n8 tiles.
   const int ksteps = kKeyV ? bk.kr() : bk.kd();
-  uint32_t bs[4][kP][2];
+  uint32_t bs[4][2][kP][2];
   {
-    float x[4][4];
+    float x[4][2][4];
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (kKeyV) {
-        LoadB(M, bk.p(), 1, 16 * ks, 8 * w + g, bk.r(), bk.dv(), tq, x[ks]);
-      } else {
-        LoadB(M, 1, bk.p(), 16 * ks, 8 * w + g, bk.dv(), bk.r(), tq, x[ks]);
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int n = n0 + 8 * nt + g;
+        if (kKeyV) {
+          LoadB(M, bk.p(), 1, 16 * ks, n, bk.r(), bk.dv(), tq, x[ks][nt]);
+        } else {
+          LoadB(M, 1, bk.p(), 16 * ks, n, bk.dv(), bk.r(), tq, x[ks][nt]);
+        }
       }
-    }
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) SplitBParts<kP>(x[ks], bs[ks]);
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) SplitBParts<kP>(x[ks][nt], bs[ks][nt]);
   }
   const bool pairs = kKeyV ? bk.pairs_v() : bk.pairs_r();
   const int a_tile = kQuery ? kG : kKeyV ? kPsi : kV;
   const float* wrow = kQuery ? bk.wq() : bk.wk();
   // The ones column: gbar[t][dv] S[n][dv] (query), D[n][dv] (key psi).
-  float extra[2];
+  float extra[2][2];
 #pragma unroll
-  for (int e1 = 0; e1 < 2; ++e1) {
-    extra[e1] = kQuery ? bk.scol()[n + e1] : kKeyV ? 0.f : bk.dcol()[n + e1];
-  }
-  // Token m's row: o0 + m * stride (the rows of one (b, h) are H rows apart).
-  float* const o0 = out + TokenRow(d, b, c0, h) * width + n;
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e1 = 0; e1 < 2; ++e1) {
+      const int n = n0 + 8 * nt + 2 * tq + e1;
+      extra[nt][e1] = kQuery ? bk.scol()[n] : kKeyV ? 0.f : bk.dcol()[n];
+    }
+  // Token m's row: o0 + m * stride (the rows of one (b, h) are H rows apart),
+  // this thread's columns n0 + 8 nt + 2 tq (+ 1) at o0 + 8 nt.
+  float* const o0 = out + TokenRow(d, b, c0, h) * width + n0 + 2 * tq;
   const int64_t stride = static_cast<int64_t>(d.H) * width;
+  const int i_end = min(bk.nb, i_first + 4);
 #pragma unroll 1
-  for (int i0 = 0; i0 < bk.nb; i0 += 4) {
-    // Old values first: [row block][half][column].
-    float old[4][2][2];
+  for (int i = i_first; i < i_end; ++i) {
+    // Old values first: [half][n-tile][column].
+    float old[2][2][2];
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = 16 * i + g + 8 * hr;
+      const bool ok = m < bk.ce;
+      const float* o = o0 + (ok ? m : 0) * stride;
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int m = 16 * (i0 + u) + g + 8 * hr;
-        const bool ok = m < bk.ce;
-        const float* o = o0 + (ok ? m : 0) * stride;
+      for (int nt = 0; nt < 2; ++nt) {
+        const int n = n0 + 8 * nt + 2 * tq;
         if (pairs) {
           float2 x = make_float2(0.f, 0.f);
-          if (ok && n < width) x = *reinterpret_cast<const float2*>(o);
-          old[u][hr][0] = x.x;
-          old[u][hr][1] = x.y;
+          if (ok && n < width) x = *reinterpret_cast<const float2*>(o + 8 * nt);
+          old[hr][nt][0] = x.x;
+          old[hr][nt][1] = x.y;
         } else {
 #pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) old[u][hr][e1] = ok && n + e1 < width ? o[e1] : 0.f;
+          for (int e1 = 0; e1 < 2; ++e1)
+            old[hr][nt][e1] = ok && n + e1 < width ? o[8 * nt + e1] : 0.f;
         }
       }
-    float hi[4][4], lo[4][4];
+    }
+    float hi[2][4], lo[2][4];
     cuda_detail::ZeroAcc(hi);
     cuda_detail::ZeroAcc(lo);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= ksteps) continue;
+      if (kQuery) {
+        uint32_t a[kP][4];
+        bk.LoadG(a, 16 * i, 16 * ks, bk.off_a);
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (i0 + u >= bk.nb) continue;
-        if (kQuery) {
-          uint32_t a[kP][4];
-          bk.LoadG(a, 16 * (i0 + u), 16 * ks, bk.off_a);
-          MmaPxP<kP>(hi[u], lo[u], a, bs[ks]);
-        } else {
-          uint32_t a[4];
-          Ldsm4(a, bk.Addr(a_tile, 16 * (i0 + u), 16 * ks, bk.off_a));
-          Mma1xP<kP>(hi[u], lo[u], a, bs[ks]);
-        }
+        for (int nt = 0; nt < 2; ++nt) MmaPxP<kP>(hi[nt], lo[nt], a, bs[ks][nt]);
+      } else {
+        uint32_t a[4];
+        Ldsm4(a, bk.Addr(a_tile, 16 * i, 16 * ks, bk.off_a));
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) Mma1xP<kP>(hi[nt], lo[nt], a, bs[ks][nt]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = 16 * i + g + 8 * hr;
+      if (m >= bk.ce) continue;
+      float* o = o0 + m * stride;
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int m = 16 * (i0 + u) + g + 8 * hr;
-        if (m >= bk.ce) continue;
+      for (int nt = 0; nt < 2; ++nt) {
+        const int n = n0 + 8 * nt + 2 * tq;
         float y[2];
 #pragma unroll
         for (int e1 = 0; e1 < 2; ++e1) {
-          const float sum = hi[u][2 * hr + e1] + lo[u][2 * hr + e1];
-          const float side = kQuery ? fmaf(bk.gcol()[m], extra[e1], sum) : sum + extra[e1];
-          y[e1] = old[u][hr][e1] + wrow[m] * side;
+          const float sum = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+          const float side = kQuery ? fmaf(bk.gcol()[m], extra[nt][e1], sum) : sum + extra[nt][e1];
+          y[e1] = old[hr][nt][e1] + wrow[m] * side;
         }
-        float* o = o0 + m * stride;
         if (pairs) {
-          if (n < width) *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
+          if (n < width) *reinterpret_cast<float2*>(o + 8 * nt) = make_float2(y[0], y[1]);
         } else {
 #pragma unroll
           for (int e1 = 0; e1 < 2; ++e1)
-            if (n + e1 < width) o[e1] = y[e1];
+            if (n + e1 < width) o[8 * nt + e1] = y[e1];
         }
       }
+    }
   }
 }
 
