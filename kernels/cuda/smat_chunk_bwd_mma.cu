@@ -69,9 +69,10 @@
 // adding to outputs read back), against 21.7 ms for the three FFMA tiles;
 // 5.43-5.46 ms with v_bar's rows on one warp each, 4.93-4.97 ms with the
 // side terms by 16 columns of half the rows (8 columns of every row before:
-// each warp loaded the A fragments of the whole chunk). Per (chunk, b * H) the
-// kernel issues 8544 MMAs (the splits make that about five times the FLOPs
-// of an exact product): about 230 TFLOP/s of mma.sync at 4.9 ms. The
+// each warp loaded the A fragments of the whole chunk), 4.70-4.74 ms with
+// their old values loaded a row block ahead. Per (chunk, b * H) the kernel
+// issues 8544 MMAs (the splits make that about five times the FLOPs of an
+// exact product): about 240 TFLOP/s of mma.sync at 4.7 ms. The
 // kernel is instruction-fetch sensitive: at 174 KB of code (every loop
 // unrolled) it took 13.9 ms, hence the loops kept rolled below. 128 registers,
 // 114,432 bytes of shared memory.
