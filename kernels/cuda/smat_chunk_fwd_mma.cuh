@@ -269,6 +269,18 @@ __device__ __forceinline__ void StoreRows(const Block<kFull>& bk, const SmatCuda
                                           __nv_bfloat16* __restrict__ o, bool vec) {
   const int dv = bk.dv();
   const int64_t row0 = TokenRow(d, b, c0, h), step = d.H;
+  if (kFull && vec && ce == kC) {
+    // A whole chunk of kW-wide rows: thread t moves piece t % 8 of rows
+    // t / 8 + 32 u, its addresses computed once.
+    constexpr int kPieces = kW / 8, kRowsPerPass = kThreads / kPieces;
+    const int m = threadIdx.x / kPieces, q = threadIdx.x % kPieces;
+    uint4* to = reinterpret_cast<uint4*>(o + (row0 + m * step) * kW + 8 * q);
+    const uint4* from = reinterpret_cast<const uint4*>(ostage + m * kLd + 8 * q);
+    const int64_t jump = kRowsPerPass * step * (kW / 8);
+#pragma unroll
+    for (int u = 0; u < kC / kRowsPerPass; ++u) to[u * jump] = from[u * kRowsPerPass * (kLd / 8)];
+    return;
+  }
   if (vec) {
     const int pieces = dv >> 3;
     for (int e = threadIdx.x; e < ce * pieces; e += kThreads) {

@@ -20,18 +20,27 @@
 // the state. Ungated only: gated inputs keep the three phases.
 //
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
-// 2026-12-01): 1.68 ms at d = 1 (the totals 0.30 ms, the walk 1.37 ms)
+// 2026-12-01): 1.60 ms at d = 1 (the totals 0.30 ms, the walk 1.28 ms)
 // against 2.04 ms for ChunkSummaries, ChunkScan and NormalizedOutputs. With
 // the forward tile's old split of each query block into two column halves
 // (both halves computing the same score tiles, phi's fragments loaded again
 // per key block) the walk took 1.63 ms; 1.45 ms with one warp per query
 // block, 1.37 ms with S_in and the previous chunk's o rows written while a
-// chunk's rows load. Not kept: the update's products on the warps with the
-// fewer key blocks before the barrier, and the next chunk's copies issued
-// right after it (1.38 ms); the next key block's scores computed before a
-// block's products (1.39 ms). Nsight Compute (at 1.37 ms): issue slots 47%,
-// L1 62%, tensor pipe 35%, 0.9 eligible warps per scheduler of 3.7: the walk
-// waits on its dependences more than on any one unit.
+// chunk's rows load; 1.31 ms with a whole chunk's copies from addresses
+// computed once (StageFullTile) and vbar's ones column written only when a
+// chunk's length changes, 1.28 ms with the o rows stored the same way (the
+// general loops had been a fifth of the walk's instructions). Not kept: the
+// update's products on the warps with the fewer key blocks before the
+// barrier, and the next chunk's copies issued right after it (1.38 ms); the
+// next key block's scores computed before a block's products (1.39 ms); S_in
+// written by the update from its accumulators (1.47 ms: 4-byte stores, eight
+// rows apart), or staged by it in phi's tile and copied out while the next
+// chunk loads (1.41 ms: phi's copies then wait for that copy); the next
+// chunk's phi issued before the update (1.30 ms). Nsight Compute (at 1.37 ms):
+// issue slots 47%, L1 62%, tensor pipe 35%, 0.9 eligible warps per scheduler
+// of 3.7; warps stalled on fixed-latency dependences 24% of the samples, at
+// the barrier after the query blocks 15%: the walk waits on its dependences
+// more than on any one unit.
 //
 // The block shape and the shared pieces: smat_chunk_fwd_mma.cuh.
 #include <cuda_bf16.h>
@@ -144,34 +153,58 @@ __device__ __forceinline__ void WriteState(const Block<kFull>& bk, float* __rest
   }
 }
 
+// A whole chunk of kW-wide, 16-byte aligned rows into a tile: thread t copies
+// piece t % 8 of rows t / 8 + 32 u, its addresses computed once (as
+// StageBf16Rows with ce = kC, width = kW).
+__device__ __forceinline__ void StageFullTile(const __nv_bfloat16* __restrict__ src, int64_t stride,
+                                              __nv_bfloat16* dst) {
+  constexpr int kPieces = kW / 8, kRowsPerPass = kThreads / kPieces;
+  const int t = threadIdx.x / kPieces, q = threadIdx.x % kPieces;
+  const __nv_bfloat16* from = src + t * stride + 8 * q;
+  const uint32_t to = SmemAddr(dst + t * kLd + 8 * q);
+  const int64_t jump = kRowsPerPass * stride;
+#pragma unroll
+  for (int u = 0; u < kC / kRowsPerPass; ++u) {
+    CpAsync16(to + 2u * u * kRowsPerPass * kLd, from + u * jump);
+  }
+}
+
 // Stages chunk k's psi and vbar (and with kPhi phi) of (b, h); returns the
 // chunk's tokens. The ones column of vbar: with kFull in columns the staging
-// never writes (64-71), so before the wait; otherwise after it, between two
-// barriers. `work()` runs while the copies are in flight (it must not touch
-// the tiles). Ends with the block's barrier.
+// never writes (64-71), so before the wait and only when the chunk's length
+// differs from *ones_ce's (the chunk it was last written for); otherwise
+// after the wait, between two barriers. `work()` runs while the copies are in
+// flight (it must not touch the tiles). Ends with the block's barrier.
 template <bool kWithPhi, bool kFull, class Work>
 __device__ __forceinline__ int StageChunk(const SmatCudaDims& d, bool vec_in, int b, int h, int k,
                                           const __nv_bfloat16* __restrict__ phi,
                                           const __nv_bfloat16* __restrict__ psi,
                                           const __nv_bfloat16* __restrict__ v, int r, int dv,
-                                          __nv_bfloat16* base, Work&& work) {
+                                          __nv_bfloat16* base, int* ones_ce, Work&& work) {
   const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
   const int64_t tok = TokenRow(d, b, c0, h);
   const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
-  if (kWithPhi) {
-    StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, stride_r, r, ce, vec_in,
-                                         base + kPhi * kTile);
-  }
-  StageBf16Rows<kC, kW, kLd, kThreads>(psi + tok * r, stride_r, r, ce, vec_in, base + kPsi * kTile);
-  StageBf16Rows<kC, kW, kLd, kThreads>(v + tok * dv, stride_v, dv, ce, vec_in, base + kV * kTile);
+  auto stage = [&](const __nv_bfloat16* src, int64_t stride, int width, __nv_bfloat16* dst) {
+    if (kFull && ce == kC) {
+      StageFullTile(src, stride, dst);
+    } else {
+      StageBf16Rows<kC, kW, kLd, kThreads>(src, stride, width, ce, vec_in, dst);
+    }
+  };
+  if (kWithPhi) stage(phi + tok * r, stride_r, r, base + kPhi * kTile);
+  stage(psi + tok * r, stride_r, r, base + kPsi * kTile);
+  stage(v + tok * dv, stride_v, dv, base + kV * kTile);
   auto ones = [&] {
     for (int e = threadIdx.x; e < kC * (kLd - dv); e += kThreads) {
       const int t = e / (kLd - dv), n = dv + (e - t * (kLd - dv));
       base[kV * kTile + t * kLd + n] = __float2bfloat16_rn(t < ce && n == dv ? 1.f : 0.f);
     }
   };
-  if (kFull) ones();
+  if (kFull && *ones_ce != ce) {
+    ones();
+    *ones_ce = ce;
+  }
   work();
   if (vec_in) CpAsyncWaitAll();
   __syncthreads();
@@ -186,7 +219,7 @@ __device__ __forceinline__ int StageChunk(const SmatCudaDims& d, bool vec_in, in
 // shared memory: totals[(bh, segment, sub)] (r x p) = sum over the
 // sub-segment's tokens of psi vbar^T (0 for an empty one).
 template <bool kFull>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     ChunkTotalsKernel(SmatCudaDims d, bool vec_in, WalkSegments ws,
                       const __nv_bfloat16* __restrict__ psi, const __nv_bfloat16* __restrict__ v,
                       float* __restrict__ totals) {
@@ -206,9 +239,10 @@ __global__ void __launch_bounds__(kThreads)
   float acc0[5][4], acc1[4][4];
   cuda_detail::ZeroAcc(acc0);
   cuda_detail::ZeroAcc(acc1);
+  int ones_ce = -1;
   for (int k = k0; k < k1; ++k) {
     const int ce =
-        StageChunk<false, kFull>(d, vec_in, b, h, k, nullptr, psi, v, r, dv, base, [] {});
+        StageChunk<false, kFull>(d, vec_in, b, h, k, nullptr, psi, v, r, dv, base, &ones_ce, [] {});
     bk.ce = ce;
     bk.nb = (ce + 15) >> 4;
     if (16 * mb < r) {
@@ -293,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int qi = w < 4 ? w : 11 - w;
   __nv_bfloat16* const ostage = bk.ostage();
   const bool vec_out = dv % 8 == 0 && (reinterpret_cast<uintptr_t>(out.o) & 15) == 0;
+  int ones_ce = -1;
   for (int k = k0; k < k1; ++k) {
     const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
     if (out.reads != nullptr && c0 >= out.recent_begin) {
@@ -307,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     // While chunk k's rows come in: S_in[k] out from the planes, and the
     // previous chunk's o rows (a whole chunk) from the staging tile.
-    bk.ce = StageChunk<true, kFull>(d, vec_in, b, h, k, phi, psi, v, r, dv, base, [&] {
+    bk.ce = StageChunk<true, kFull>(d, vec_in, b, h, k, phi, psi, v, r, dv, base, &ones_ce, [&] {
       if (S_in != nullptr) WriteState(bk, S_in + ChunkRow(d, b, k, h) * W);
       if (k > k0) StoreRows(bk, d, b, h, c0 - d.chunk, d.chunk, ostage, out.o, vec_out);
     });
