@@ -35,8 +35,9 @@
 // next key block's scores computed before a block's products (1.39 ms); S_in
 // written by the update from its accumulators (1.47 ms: 4-byte stores, eight
 // rows apart), or staged by it in phi's tile and copied out while the next
-// chunk loads (1.41 ms: phi's copies then wait for that copy); the next
-// chunk's phi issued before the update (1.30 ms). Nsight Compute (at 1.37 ms):
+// chunk loads (1.41 ms: phi's copies then wait for that copy), or read back
+// as column pairs (1.37 ms: two 4-byte stores 8 bytes apart per step); the
+// next chunk's phi issued before the update (1.30 ms). Nsight Compute (at 1.37 ms):
 // issue slots 47%, L1 62%, tensor pipe 35%, 0.9 eligible warps per scheduler
 // of 3.7; warps stalled on fixed-latency dependences 24% of the samples, at
 // the barrier after the query blocks 15%: the walk waits on its dependences
