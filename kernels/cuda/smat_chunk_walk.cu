@@ -27,7 +27,7 @@
 // per key block) the walk took 1.63 ms; 1.45 ms with one warp per query
 // block, 1.37 ms with S_in and the previous chunk's o rows written while a
 // chunk's rows load; 1.31 ms with a whole chunk's copies from addresses
-// computed once (StageFullTile) and vbar's ones column written only when a
+// computed once (StageWholeRows) and vbar's ones column written only when a
 // chunk's length changes, 1.28 ms with the o rows stored the same way (the
 // general loops had been a fifth of the walk's instructions). Not kept: the
 // update's products on the warps with the fewer key blocks before the
@@ -154,22 +154,6 @@ __device__ __forceinline__ void WriteState(const Block<kFull>& bk, float* __rest
   }
 }
 
-// A whole chunk of kW-wide, 16-byte aligned rows into a tile: thread t copies
-// piece t % 8 of rows t / 8 + 32 u, its addresses computed once (as
-// StageBf16Rows with ce = kC, width = kW).
-__device__ __forceinline__ void StageFullTile(const __nv_bfloat16* __restrict__ src, int64_t stride,
-                                              __nv_bfloat16* dst) {
-  constexpr int kPieces = kW / 8, kRowsPerPass = kThreads / kPieces;
-  const int t = threadIdx.x / kPieces, q = threadIdx.x % kPieces;
-  const __nv_bfloat16* from = src + t * stride + 8 * q;
-  const uint32_t to = SmemAddr(dst + t * kLd + 8 * q);
-  const int64_t jump = kRowsPerPass * stride;
-#pragma unroll
-  for (int u = 0; u < kC / kRowsPerPass; ++u) {
-    CpAsync16(to + 2u * u * kRowsPerPass * kLd, from + u * jump);
-  }
-}
-
 // Stages chunk k's psi and vbar (and with kPhi phi) of (b, h); returns the
 // chunk's tokens. The ones column of vbar: with kFull in columns the staging
 // never writes (64-71), so before the wait and only when the chunk's length
@@ -188,7 +172,7 @@ __device__ __forceinline__ int StageChunk(const SmatCudaDims& d, bool vec_in, in
   const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
   auto stage = [&](const __nv_bfloat16* src, int64_t stride, int width, __nv_bfloat16* dst) {
     if (kFull && ce == kC) {
-      StageFullTile(src, stride, dst);
+      StageWholeRows<kC, kW, kLd, kThreads>(src, stride, dst);
     } else {
       StageBf16Rows<kC, kW, kLd, kThreads>(src, stride, width, ce, vec_in, dst);
     }
