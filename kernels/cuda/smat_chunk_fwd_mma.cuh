@@ -90,32 +90,25 @@ __device__ __forceinline__ void StageState(const float* __restrict__ S, int r, i
   }
 }
 
-// The output rows of query block i, every column, in one warp. phi_i's A
-// fragments stay in registers for the state term and every key block; each
-// score tile is computed once. In this order per element of the accumulator:
-// phi_i S_in (per k-step the planes smallest first; gated, times exp(lam_t)),
-// then per key block j <= i the masked scores (gated, times W[t, s]; kP parts,
-// smallest first: MmaPx1 with one accumulator as hi and lo) times vbar_j;
-// with the widths as constants vbar's ones column (dv = 64) as the scores'
-// row sums in fp32. Then ybar (written), or with kNorm the reads of recent
-// rows, den = y[dv] + eps and o = y * (1 / den) as LaunchSmatNormalize
-// computes them, o rounded to bf16 into `ostage` ([kC][kLd], written out by
-// StoreRows).
-template <bool kGated, bool kNorm, int kP, bool kFull>
-__device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCudaDims& d, int b,
-                                           int h, int64_t c0, int i, const Outputs& out,
-                                           __nv_bfloat16* ostage) {
-  constexpr int kNt = kLd / 8;  // n-tiles: columns 0-71 hold p <= 65
-  static_assert(kNt == 9 && kW == 64, "four n-tile pairs and one more");
-  const int g = bk.g, tq = bk.tq, p = bk.p(), dv = bk.dv(), kr = bk.kr();
-  float acc[kNt][4];
-  cuda_detail::ZeroAcc(acc);
-  uint32_t a[4][4];
+constexpr int kNt = kLd / 8;  // a query block's n-tiles: columns 0-71 hold p <= 65
+static_assert(kNt == 9 && kW == 64, "four n-tile pairs and one more");
+
+// phi_i's A fragments, one per k-step (kr of them), for the state term and
+// every key block of query block i.
+template <bool kFull>
+__device__ __forceinline__ void QueryFragments(const Block<kFull>& bk, int i, uint32_t (&a)[4][4]) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    if (ks < kr) Ldsm4(a[ks], bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
+    if (ks < bk.kr()) Ldsm4(a[ks], bk.Addr(kPhi * kTile, 16 * i, 16 * ks, bk.off_a));
   }
-  // The state term. Lanes 0-15 address n-tile 8's rows for the x2 loads.
+}
+
+// acc += phi_i S_in from the planes, per k-step the planes smallest first.
+// Lanes 0-15 address n-tile 8's rows for the x2 loads.
+template <int kP, bool kFull>
+__device__ __forceinline__ void StateTerm(const Block<kFull>& bk, const uint32_t (&a)[4][4],
+                                          float (&acc)[kNt][4]) {
+  const int p = bk.p(), kr = bk.kr();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     if (ks >= kr) break;
@@ -136,22 +129,21 @@ __device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCud
       }
     }
   }
-  float lt[2];  // gated: the rows' lam
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int row = 16 * i + g + 8 * hr;
-    lt[hr] = kGated ? bk.lam()[row] : 0.f;
-    if (kGated) {
-      const float wt = bk.wq()[row];
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) acc[nt][2 * hr + e1] *= wt;
-    }
-  }
-  // The causal sum over key blocks j <= i.
+}
+
+// acc += the causal sum of query block i over key blocks j0 <= j < j1 (j1 <=
+// i + 1): per key block the masked scores (gated, times W[t, s]; lt the rows'
+// lam; kP parts, smallest first: MmaPx1 with one accumulator as hi and lo)
+// times vbar_j; with the widths as constants vbar's ones column (dv = 64) as
+// the scores' row sums in fp32, reduced over the quad in a fixed order and
+// added to column dv at the end.
+template <bool kGated, int kP, bool kFull>
+__device__ __forceinline__ void CausalTerms(const Block<kFull>& bk, int i, int j0, int j1,
+                                            const uint32_t (&a)[4][4], const float (&lt)[2],
+                                            float (&acc)[kNt][4]) {
+  const int g = bk.g, tq = bk.tq, p = bk.p(), kr = bk.kr();
   float ones[2] = {0.f, 0.f};  // kFull: this lane's part of rows g, g + 8
-  for (int j = 0; j <= i; ++j) {
+  for (int j = j0; j < j1; ++j) {
     float sc[2][4];
     cuda_detail::ZeroAcc(sc);
 #pragma unroll
@@ -205,6 +197,17 @@ __device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCud
       if (tq == 0) acc[8][2 * hr] += x;
     }
   }
+}
+
+// Query block i's rows from its sums: ybar (written), or with kNorm the reads
+// of recent rows added, den = y[dv] + eps and o = y * (1 / den) as
+// LaunchSmatNormalize computes them, o rounded to bf16 into `ostage`
+// ([kC][kLd], written out by StoreRows).
+template <bool kNorm, bool kFull>
+__device__ __forceinline__ void FinishQueryRows(const Block<kFull>& bk, const SmatCudaDims& d,
+                                                int b, int h, int64_t c0, int i, const Outputs& out,
+                                                __nv_bfloat16* ostage, float (&acc)[kNt][4]) {
+  const int g = bk.g, tq = bk.tq, p = bk.p(), dv = bk.dv();
   if (!kNorm) {
     // ybar[t][n] for t < ce, n < p (rows of p = dv + 1 floats).
 #pragma unroll
@@ -258,6 +261,37 @@ __device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCud
           __fmul_rn(acc[nt][2 * hr], inv), __fmul_rn(acc[nt][2 * hr + 1], inv));
     }
   }
+}
+
+// The output rows of query block i, every column, in one warp. phi_i's A
+// fragments stay in registers for the state term and every key block; each
+// score tile is computed once. In this order per element of the accumulator:
+// phi_i S_in (gated, times exp(lam_t)), then the causal sum over key blocks j
+// <= i (CausalTerms), then the rows out (FinishQueryRows).
+template <bool kGated, bool kNorm, int kP, bool kFull>
+__device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCudaDims& d, int b,
+                                           int h, int64_t c0, int i, const Outputs& out,
+                                           __nv_bfloat16* ostage) {
+  float acc[kNt][4];
+  cuda_detail::ZeroAcc(acc);
+  uint32_t a[4][4];
+  QueryFragments(bk, i, a);
+  StateTerm<kP>(bk, a, acc);
+  float lt[2];  // gated: the rows' lam
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = 16 * i + bk.g + 8 * hr;
+    lt[hr] = kGated ? bk.lam()[row] : 0.f;
+    if (kGated) {
+      const float wt = bk.wq()[row];
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) acc[nt][2 * hr + e1] *= wt;
+    }
+  }
+  CausalTerms<kGated, kP>(bk, i, 0, i + 1, a, lt, acc);
+  FinishQueryRows<kNorm>(bk, d, b, h, c0, i, out, ostage, acc);
 }
 
 // The o rows of the chunk at c0 (ce tokens) from `ostage` to memory: whole

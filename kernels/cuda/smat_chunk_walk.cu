@@ -11,8 +11,9 @@
 //      separately in the distant and the recent part, from `incoming` (or
 //      zero): the state entering each walked segment;
 //   3. ChunkWalkKernel: from its segment's state, per chunk, S_in[k] out (if
-//      wanted), the chunk's outputs (WalkQueryBlock: one warp per query
-//      block, every column), then S += psi^T vbar over the chunk.
+//      wanted), the chunk's outputs (one warp per query block, every column:
+//      the state terms of all eight, a barrier, then the causal sums), and
+//      S += psi^T vbar over the chunk on warps 0-3 beside the causal sums.
 // The state waits between chunks as three bf16 planes, which hold an fp32
 // value exactly (x = x1 + x2 + x3, 8 significant bits each, x1 + x2 and then
 // + x3 exact in fp32): the planes the products read are the state itself.
@@ -20,7 +21,7 @@
 // the state. Ungated only: gated inputs keep the three phases.
 //
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
-// 2026-12-01): 1.60 ms at d = 1 (the totals 0.30 ms, the walk 1.28 ms)
+// 2026-12-01): 1.53 ms at d = 1 (the totals 0.30 ms, the walk 1.21 ms)
 // against 2.04 ms for ChunkSummaries, ChunkScan and NormalizedOutputs. With
 // the forward tile's old split of each query block into two column halves
 // (both halves computing the same score tiles, phi's fragments loaded again
@@ -29,7 +30,10 @@
 // chunk's rows load; 1.31 ms with a whole chunk's copies from addresses
 // computed once (StageWholeRows) and vbar's ones column written only when a
 // chunk's length changes, 1.28 ms with the o rows stored the same way (the
-// general loops had been a fifth of the walk's instructions). Not kept: the
+// general loops had been a fifth of the walk's instructions); 1.21 ms with
+// the barrier after the state terms instead of after the causal sums, so the
+// update (72 MMA steps per warp on warps 0-3) runs beside the longer causal
+// sums of warps 4-7 rather than after the longest of them. Not kept: the
 // update's products on the warps with the fewer key blocks before the
 // barrier, and the next chunk's copies issued right after it (1.38 ms); the
 // next key block's scores computed before a block's products (1.39 ms); S_in
@@ -37,11 +41,17 @@
 // rows apart), or staged by it in phi's tile and copied out while the next
 // chunk loads (1.41 ms: phi's copies then wait for that copy), or read back
 // as column pairs (1.37 ms: two 4-byte stores 8 bytes apart per step); the
-// next chunk's phi issued before the update (1.30 ms). Nsight Compute (at 1.37 ms):
-// issue slots 47%, L1 62%, tensor pipe 35%, 0.9 eligible warps per scheduler
-// of 3.7; warps stalled on fixed-latency dependences 24% of the samples, at
-// the barrier after the query blocks 15%: the walk waits on its dependences
-// more than on any one unit.
+// next chunk's phi issued before the update (1.30 ms). Against the 1.21 ms
+// walk: warps 0-2 also summing the first 3, 2, 1 key blocks of query blocks
+// 7, 6, 5 and handing the partial sums over in shared memory (1.26 ms: the
+// longest warp's path shrinks, the work per scheduler does not); the next
+// chunk's phi issued after the state terms (1.21 ms); that and the next
+// chunk's state terms computed while its psi and vbar load (1.33 ms). The
+// totals with two buffers per block, three blocks per SM, took 305 us as
+// before (72% of the DRAM peak): more bytes in flight did not move them.
+// Nsight Compute (at 1.37 ms): issue slots 47%, L1 62%, tensor pipe 35%, 0.9
+// eligible warps per scheduler of 3.7; warps stalled on fixed-latency
+// dependences 24% of the samples, at the barrier after the query blocks 15%.
 //
 // The block shape and the shared pieces: smat_chunk_fwd_mma.cuh.
 #include <cuda_bf16.h>
@@ -84,8 +94,9 @@ __device__ __forceinline__ void SegmentChunks(const WalkSegments& ws, int Lc, in
 }
 
 // The chunk's products psi^T vbar (16 tokens per MMA step) added to the
-// state's m16n8 tiles that warp w holds: rows 16 mb .. + 15 (mb = w % 4), n-tiles kN0 .. kN0 +
-// kNt - 1 (0-4 for w < 4, 5-8 otherwise: columns 0-71 cover p <= 65). A =
+// state's m16n8 tiles that a warp holds: rows 16 mb .. + 15, n-tiles kN0 ..
+// kN0 + kNt - 1 (columns 0-71 cover p <= 65; the totals split them 0-4 and
+// 5-8 between warps w and w + 4, the walk's warps 0-3 take all nine). A =
 // psi^T from the token-major psi tile (ldmatrix .trans), B = vbar (.trans).
 template <int kN0, int kNt, bool kFull>
 __device__ __forceinline__ void StateProducts(const Block<kFull>& bk, int mb,
@@ -154,6 +165,35 @@ __device__ __forceinline__ void WriteState(const Block<kFull>& bk, float* __rest
   }
 }
 
+// Chunk k's rows of one (b, h) feature (width wide, rows stride apart) into
+// the token tile `dst`: whole chunks from addresses computed once, others by
+// the general loop (which zeroes the rows past ce). Returns the chunk's
+// tokens.
+template <bool kFull>
+__device__ __forceinline__ int StageTile(const SmatCudaDims& d, bool vec_in, int b, int h, int k,
+                                         const __nv_bfloat16* __restrict__ x, int width,
+                                         __nv_bfloat16* dst) {
+  const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
+  const int64_t stride = static_cast<int64_t>(d.H) * width;
+  const __nv_bfloat16* src = x + TokenRow(d, b, c0, h) * width;
+  if (kFull && ce == kC) {
+    StageWholeRows<kC, kW, kLd, kThreads>(src, stride, dst);
+  } else {
+    StageBf16Rows<kC, kW, kLd, kThreads>(src, stride, width, ce, vec_in, dst);
+  }
+  return ce;
+}
+
+// vbar's ones column (dv) and the zero columns past it, up to kLd, of the v
+// tile `vt` for a chunk of ce tokens.
+__device__ __forceinline__ void OnesColumn(__nv_bfloat16* vt, int ce, int dv) {
+  for (int e = threadIdx.x; e < kC * (kLd - dv); e += kThreads) {
+    const int t = e / (kLd - dv), n = dv + (e - t * (kLd - dv));
+    vt[t * kLd + n] = __float2bfloat16_rn(t < ce && n == dv ? 1.f : 0.f);
+  }
+}
+
 // Stages chunk k's psi and vbar (and with kPhi phi) of (b, h); returns the
 // chunk's tokens. The ones column of vbar: with kFull in columns the staging
 // never writes (64-71), so before the wait and only when the chunk's length
@@ -166,35 +206,18 @@ __device__ __forceinline__ int StageChunk(const SmatCudaDims& d, bool vec_in, in
                                           const __nv_bfloat16* __restrict__ psi,
                                           const __nv_bfloat16* __restrict__ v, int r, int dv,
                                           __nv_bfloat16* base, int* ones_ce, Work&& work) {
-  const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
-  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
-  const int64_t tok = TokenRow(d, b, c0, h);
-  const int64_t stride_r = static_cast<int64_t>(d.H) * r, stride_v = static_cast<int64_t>(d.H) * dv;
-  auto stage = [&](const __nv_bfloat16* src, int64_t stride, int width, __nv_bfloat16* dst) {
-    if (kFull && ce == kC) {
-      StageWholeRows<kC, kW, kLd, kThreads>(src, stride, dst);
-    } else {
-      StageBf16Rows<kC, kW, kLd, kThreads>(src, stride, width, ce, vec_in, dst);
-    }
-  };
-  if (kWithPhi) stage(phi + tok * r, stride_r, r, base + kPhi * kTile);
-  stage(psi + tok * r, stride_r, r, base + kPsi * kTile);
-  stage(v + tok * dv, stride_v, dv, base + kV * kTile);
-  auto ones = [&] {
-    for (int e = threadIdx.x; e < kC * (kLd - dv); e += kThreads) {
-      const int t = e / (kLd - dv), n = dv + (e - t * (kLd - dv));
-      base[kV * kTile + t * kLd + n] = __float2bfloat16_rn(t < ce && n == dv ? 1.f : 0.f);
-    }
-  };
+  if (kWithPhi) StageTile<kFull>(d, vec_in, b, h, k, phi, r, base + kPhi * kTile);
+  const int ce = StageTile<kFull>(d, vec_in, b, h, k, psi, r, base + kPsi * kTile);
+  StageTile<kFull>(d, vec_in, b, h, k, v, dv, base + kV * kTile);
   if (kFull && *ones_ce != ce) {
-    ones();
+    OnesColumn(base + kV * kTile, ce, dv);
     *ones_ce = ce;
   }
   work();
   if (vec_in) CpAsyncWaitAll();
   __syncthreads();
   if (!kFull) {
-    ones();
+    OnesColumn(base + kV * kTile, ce, dv);
     __syncthreads();
   }
   return ce;
@@ -332,15 +355,25 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (k > k0) StoreRows(bk, d, b, h, c0 - d.chunk, d.chunk, ostage, out.o, vec_out);
     });
     bk.nb = (bk.ce + 15) >> 4;
-    if (qi < bk.nb)
-      QueryBlock</*kGated=*/false, /*kNorm=*/true, kP>(bk, d, b, h, c0, qi, out, ostage);
-    __syncthreads();  // the planes are read; the o rows are staged
-    if (w < 4) {
-      UpdateState<0, 5>(bk, w & 3);
-    } else {
-      UpdateState<5, 4>(bk, w & 3);
+    // Every warp's state term first (the same work for each), then the
+    // causal sums (qi + 1 key blocks) and, on warps 0-3, the update of the
+    // state's rows 16 w .. 16 w + 15: per scheduler the same work again.
+    const bool mine = qi < bk.nb;
+    float acc[kNt][4];
+    uint32_t a[4][4];
+    if (mine) {
+      cuda_detail::ZeroAcc(acc);
+      QueryFragments(bk, qi, a);
+      StateTerm<kP>(bk, a, acc);
     }
-    __syncthreads();  // the tiles and the planes are free again
+    __syncthreads();  // the planes are read
+    if (mine) {
+      const float lt[2] = {0.f, 0.f};  // ungated
+      CausalTerms</*kGated=*/false, kP>(bk, qi, 0, qi + 1, a, lt, acc);
+      FinishQueryRows</*kNorm=*/true>(bk, d, b, h, c0, qi, out, ostage, acc);
+    }
+    if (w < 4) UpdateState<0, kNt>(bk, w);
+    __syncthreads();  // the tiles and the planes are free again, the o rows staged
   }
   if (k1 > k0) StoreRows(bk, d, b, h, int64_t{k1 - 1} * d.chunk, bk.ce, ostage, out.o, vec_out);
 }
