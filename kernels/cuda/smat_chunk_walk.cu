@@ -237,6 +237,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int r = wd.r(), dv = wd.dv(), p = wd.p();
   if (kFull) vec_in = true;
   const int bh = blockIdx.x, u = blockIdx.y, s = u / kSub, j = u - s * kSub;
+  // No segment follows the last of a part: its totals are never read.
+  if (s == ws.seg_d - 1 || s == ws.seg_d + ws.seg_r - 1) return;
   const int b = bh / d.H, h = bh - b * d.H;
   int K0, K1;
   SegmentChunks(ws, d.Lc, s, &K0, &K1);
@@ -281,28 +283,41 @@ __global__ void __launch_bounds__(kThreads, 4)
 
 // grid (ceil(r p / 256), batch * H), 256 threads: starts[(bh, segment)] = the
 // state entering the segment, per part incoming[b, part, h] (or 0) plus the
-// totals of the part's earlier sub-segments, added in chunk order.
+// totals of the part's earlier sub-segments, added in chunk order (the part's
+// last segment has none: ChunkTotalsKernel skips it). The loads of kGroup
+// segments issue before their adds.
 __global__ void WalkStartsKernel(SmatCudaDims d, WalkSegments ws,
                                  const float* __restrict__ incoming,
                                  const float* __restrict__ totals, float* __restrict__ starts) {
+  constexpr int kGroup = 8;
   const int64_t W = static_cast<int64_t>(d.r) * d.p;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (w >= W) return;
   const int bh = blockIdx.y, b = bh / d.H, h = bh - b * d.H;
   const int segs = ws.seg_d + ws.seg_r;
+  const int64_t row0 = static_cast<int64_t>(bh) * segs;
   for (int part = 0; part < 2; ++part) {
     const int s0 = part == 0 ? 0 : ws.seg_d, s1 = part == 0 ? ws.seg_d : segs;
     float Y = incoming != nullptr
                   ? incoming[((static_cast<int64_t>(b) * 2 + part) * d.H + h) * W + w]
                   : 0.f;
-    for (int s = s0; s < s1; ++s) {
-      const int64_t row = static_cast<int64_t>(bh) * segs + s;
-      starts[row * W + w] = Y;
-      float t[kSub];
+    for (int s = s0; s < s1; s += kGroup) {
+      const int n = min(kGroup, s1 - 1 - s);  // segments whose totals are read
+      float t[kGroup][kSub];
 #pragma unroll
-      for (int j = 0; j < kSub; ++j) t[j] = totals[(row * kSub + j) * W + w];
+      for (int g = 0; g < kGroup; ++g)
 #pragma unroll
-      for (int j = 0; j < kSub; ++j) Y += t[j];
+        for (int j = 0; j < kSub; ++j)
+          t[g][j] = g < n ? totals[((row0 + s + g) * kSub + j) * W + w] : 0.f;
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        if (s + g >= s1) break;
+        starts[(row0 + s + g) * W + w] = Y;
+        if (g < n) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) Y += t[g][j];
+        }
+      }
     }
   }
 }
