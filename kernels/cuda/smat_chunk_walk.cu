@@ -21,7 +21,8 @@
 // the state. Ungated only: gated inputs keep the three phases.
 //
 // Speed (H200, bf16, batch 1, 8 heads, r = dv = 64, c = 128, T = 524288,
-// 2026-12-01): 1.53 ms at d = 1 (the totals 0.30 ms, the walk 1.21 ms)
+// 2026-12-01): 1.50-1.52 ms at d = 1 (the totals 0.29-0.30 ms, the walk
+// 1.19 ms)
 // against 2.04 ms for ChunkSummaries, ChunkScan and NormalizedOutputs. With
 // the forward tile's old split of each query block into two column halves
 // (both halves computing the same score tiles, phi's fragments loaded again
@@ -33,7 +34,9 @@
 // general loops had been a fifth of the walk's instructions); 1.21 ms with
 // the barrier after the state terms instead of after the causal sums, so the
 // update (72 MMA steps per warp on warps 0-3) runs beside the longer causal
-// sums of warps 4-7 rather than after the longest of them. Not kept: the
+// sums of warps 4-7 rather than after the longest of them; 1.19 ms with 33
+// segments of 125 chunks per head instead of 32 of 128 (the lengths had been
+// rounded up to a multiple of kSub). Not kept: the
 // update's products on the warps with the fewer key blocks before the
 // barrier, and the next chunk's copies issued right after it (1.38 ms); the
 // next key block's scores computed before a block's products (1.39 ms); S_in
@@ -71,12 +74,11 @@ namespace {
 using namespace chunk_fwd_mma;  // NOLINT: the tile's shared pieces
 
 // How a span's chunks split into the segments walked by one block each: the
-// distant chunks [0, N) in seg_d segments of len_d chunks, the recent chunks
-// [N, Lc) in seg_r segments of len_r (the last of each part may hold fewer).
-// Both lengths are multiples of kSub, each segment's totals come in kSub
-// sub-segments of len / kSub chunks.
+// distant chunks [0, N) in seg_d segments, the recent chunks [N, Lc) in seg_r,
+// each of len chunks (the last of each part may hold fewer). Each segment's
+// totals come in kSub sub-segments of near-equal length.
 struct WalkSegments {
-  int N, seg_d, len_d, seg_r, len_r;
+  int N, seg_d, seg_r, len;
 };
 constexpr int kSub = 4;
 constexpr int kMinWalk = 8;  // chunks: shorter walks leave too little to carry
@@ -85,11 +87,11 @@ constexpr int kMinWalk = 8;  // chunks: shorter walks leave too little to carry
 __device__ __forceinline__ void SegmentChunks(const WalkSegments& ws, int Lc, int s, int* k0,
                                               int* k1) {
   if (s < ws.seg_d) {
-    *k0 = s * ws.len_d;
-    *k1 = min(ws.N, *k0 + ws.len_d);
+    *k0 = s * ws.len;
+    *k1 = min(ws.N, *k0 + ws.len);
   } else {
-    *k0 = ws.N + (s - ws.seg_d) * ws.len_r;
-    *k1 = min(Lc, *k0 + ws.len_r);
+    *k0 = ws.N + (s - ws.seg_d) * ws.len;
+    *k1 = min(Lc, *k0 + ws.len);
   }
 }
 
@@ -242,8 +244,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int b = bh / d.H, h = bh - b * d.H;
   int K0, K1;
   SegmentChunks(ws, d.Lc, s, &K0, &K1);
-  const int len = (s < ws.seg_d ? ws.len_d : ws.len_r) / kSub;
-  const int k0 = K0 + j * len, k1 = min(K1, k0 + len);
+  const int n = K1 - K0, k0 = K0 + j * n / kSub, k1 = K0 + (j + 1) * n / kSub;
   Block<kFull> bk = MakeBlock<kFull>(base, r, dv);
   const int w = threadIdx.x >> 5, mb = w & 3;
   float acc0[5][4], acc1[4][4];
@@ -285,7 +286,9 @@ __global__ void __launch_bounds__(kThreads, 4)
 // state entering the segment, per part incoming[b, part, h] (or 0) plus the
 // totals of the part's earlier sub-segments, added in chunk order (the part's
 // last segment has none: ChunkTotalsKernel skips it). The loads of kGroup
-// segments issue before their adds.
+// segments issue before their adds: 8.3-8.8 us at the benchmark's shape,
+// against 17.8 us for one segment's loads at a time with a break before the
+// part's last.
 __global__ void WalkStartsKernel(SmatCudaDims d, WalkSegments ws,
                                  const float* __restrict__ incoming,
                                  const float* __restrict__ totals, float* __restrict__ starts) {
@@ -393,31 +396,26 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (k1 > k0) StoreRows(bk, d, b, h, int64_t{k1 - 1} * d.chunk, bk.ce, ostage, out.o, vec_out);
 }
 
-// The segments of a walk over `d`'s span: one block per SM for each of
-// two resident per SM (a single wave), at least kMinWalk chunks each.
+// The segments of a walk over `d`'s span: at most one per block slot of a
+// single wave (two resident per SM), all of the shortest length that fits
+// both parts in those slots, at least kMinWalk chunks (the walk takes as long
+// as its longest segment: 4096 chunks in 33 slots per head walk 125 each,
+// not 128).
 WalkSegments PlanWalk(const SmatCudaDims& d, int sms) {
   WalkSegments ws{};
   const int64_t first = d.t0 / d.chunk, n_chunks = d.n / d.chunk;
   ws.N = static_cast<int>(std::min<int64_t>(d.Lc, std::max<int64_t>(0, n_chunks - first)));
   const int Nd = ws.N, Nr = d.Lc - ws.N;
   const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
-  const int want =
-      static_cast<int>(std::max<int64_t>(1, 2 * int64_t{sms} / std::max<int64_t>(1, bh)));
-  auto split = [](int chunks, int segs, int* count, int* len) {
-    if (chunks == 0) {
-      *count = 0;
-      *len = kSub;
-      return;
-    }
-    int l = std::max(kMinWalk, (chunks + segs - 1) / std::max(1, segs));
-    l = (l + kSub - 1) / kSub * kSub;
-    *len = l;
-    *count = (chunks + l - 1) / l;
-  };
-  int want_d = Nd == 0 ? 0 : Nr == 0 ? want : static_cast<int>(int64_t{want} * Nd / d.Lc);
-  want_d = Nd == 0 ? 0 : std::max(1, want_d);
-  split(Nd, want_d, &ws.seg_d, &ws.len_d);
-  split(Nr, std::max(1, want - want_d), &ws.seg_r, &ws.len_r);
+  const int parts = (Nd > 0) + (Nr > 0);
+  const int slots =
+      static_cast<int>(std::max<int64_t>(parts, 2 * int64_t{sms} / std::max<int64_t>(1, bh)));
+  auto count = [](int chunks, int len) { return (chunks + len - 1) / len; };
+  int len = std::max(kMinWalk, count(d.Lc, slots));
+  while (count(Nd, len) + count(Nr, len) > slots) ++len;
+  ws.len = len;
+  ws.seg_d = count(Nd, len);
+  ws.seg_r = count(Nr, len);
   return ws;
 }
 
