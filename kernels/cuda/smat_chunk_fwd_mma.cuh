@@ -131,19 +131,17 @@ __device__ __forceinline__ void StateTerm(const Block<kFull>& bk, const uint32_t
   }
 }
 
-// acc += the causal sum of query block i over key blocks j0 <= j < j1 (j1 <=
-// i + 1): per key block the masked scores (gated, times W[t, s]; lt the rows'
-// lam; kP parts, smallest first: MmaPx1 with one accumulator as hi and lo)
-// times vbar_j; with the widths as constants vbar's ones column (dv = 64) as
-// the scores' row sums in fp32, reduced over the quad in a fixed order and
-// added to column dv at the end.
+// acc += the causal sum of query block i over key blocks j <= i: per key block the masked scores
+// (gated, times W[t, s]; lt the rows' lam; kP parts, smallest first: MmaPx1 with one accumulator as
+// hi and lo) times vbar_j; with the widths as constants vbar's ones column (dv = 64) as the scores'
+// row sums in fp32, reduced over the quad in a fixed order and added to column dv at the end.
 template <bool kGated, int kP, bool kFull>
-__device__ __forceinline__ void CausalTerms(const Block<kFull>& bk, int i, int j0, int j1,
+__device__ __forceinline__ void CausalTerms(const Block<kFull>& bk, int i,
                                             const uint32_t (&a)[4][4], const float (&lt)[2],
                                             float (&acc)[kNt][4]) {
   const int g = bk.g, tq = bk.tq, p = bk.p(), kr = bk.kr();
   float ones[2] = {0.f, 0.f};  // kFull: this lane's part of rows g, g + 8
-  for (int j = j0; j < j1; ++j) {
+  for (int j = 0; j <= i; ++j) {
     float sc[2][4];
     cuda_detail::ZeroAcc(sc);
 #pragma unroll
@@ -290,7 +288,7 @@ __device__ __forceinline__ void QueryBlock(const Block<kFull>& bk, const SmatCud
         for (int e1 = 0; e1 < 2; ++e1) acc[nt][2 * hr + e1] *= wt;
     }
   }
-  CausalTerms<kGated, kP>(bk, i, 0, i + 1, a, lt, acc);
+  CausalTerms<kGated, kP>(bk, i, a, lt, acc);
   FinishQueryRows<kNorm>(bk, d, b, h, c0, i, out, ostage, acc);
 }
 

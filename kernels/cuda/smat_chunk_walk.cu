@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();  // the planes are read
     if (mine) {
       const float lt[2] = {0.f, 0.f};  // ungated
-      CausalTerms</*kGated=*/false, kP>(bk, qi, 0, qi + 1, a, lt, acc);
+      CausalTerms</*kGated=*/false, kP>(bk, qi, a, lt, acc);
       FinishQueryRows</*kNorm=*/true>(bk, d, b, h, c0, qi, out, ostage, acc);
     }
     if (w < 4) UpdateState<0, kNt>(bk, w);
