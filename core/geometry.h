@@ -44,6 +44,11 @@ struct SmatGeometry {
   int64_t nnz_C() const;                     // B * q^(D-1) (1 when d = 1)
   int32_t Coordinate(int64_t point, int k) const;  // x_k of a point index
   bool Incident(int64_t type, int64_t point) const;  // C[type][point]
+  // C is the identity (d <= 2): every hyperplane holds one point, and type h's
+  // is point h (d = 2: the hyperplanes {x = b} in the type order above are
+  // b = 0, 1, ..., q - 1). Then U = C F is F and F_bar = C^T U_bar is U_bar,
+  // and the op runs no tabulation.
+  bool IncidenceIsIdentity() const { return D <= 1; }
 };
 
 // Builds the geometry for VC dimension d over F_q (q prime; ignored when d = 1).

@@ -136,14 +136,20 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
   // Long-range branch tables: pooling and tabulation (steps 2, 3). One span
   // ends its distant part at n - 1, so F is already referred to Lambda_{n-1}.
   // Without tokens on both sides of n, U is the table of an empty F and no
-  // token reads it: the branch is left out (reads undefined: none).
+  // token reads it: the branch is left out (reads undefined: none). Where C
+  // is the identity (d <= 2) U is F: the pooling writes U.
   SMAT_ASSIGN_OR_RETURN(sv.U, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
   Tensor reads;
   if (SmatHasLongRange(plan)) {
-    SMAT_ASSIGN_OR_RETURN(Tensor F, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
-    SMAT_RETURN_IF_ERROR(
-        k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, in.prof, &F, stream));
-    SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
+    if (plan.geo.IncidenceIsIdentity()) {
+      SMAT_RETURN_IF_ERROR(k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay,
+                                             in.prof, &sv.U, stream));
+    } else {
+      SMAT_ASSIGN_OR_RETURN(Tensor F, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
+      SMAT_RETURN_IF_ERROR(
+          k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, in.prof, &F, stream));
+      SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
+    }
     // The per-type reads of the recent tokens (step 4).
     SMAT_ASSIGN_OR_RETURN(reads, Alloc(backend, {d.batch, d.L, d.H, d.p}));
     SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, sv.U, sv.lam, sv.chunk_decay, Tensor(),
@@ -226,15 +232,19 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
                                                sv.chunk_decay, sv.S_in, gbar, D_bar, &grads->phi,
                                                &grads->psi, &grads->v, SmatWrite::kAssign, stream));
 
-  // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar, gather to
-  // tokens (nothing to carry without tokens on both sides of n).
+  // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar (U_bar itself
+  // where C is the identity), gather to tokens (nothing to carry without
+  // tokens on both sides of n).
   if (SmatHasLongRange(plan)) {
     SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
     SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
                                               sv.chunk_decay, Tensor(), in.type, &grads->phi,
                                               &U_bar, stream));
-    SMAT_ASSIGN_OR_RETURN(Tensor F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
-    SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+    Tensor F_bar = U_bar;
+    if (!plan.geo.IncidenceIsIdentity()) {
+      SMAT_ASSIGN_OR_RETURN(F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
+      SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+    }
     SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay,
                                                    Tensor(), in.prof, F_bar, &grads->psi, &grads->v,
                                                    stream));

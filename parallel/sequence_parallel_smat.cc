@@ -335,11 +335,17 @@ absl::Status SequenceParallelSmatForward(Backend& backend, Communicator& comm,
   SMAT_ASSIGN_OR_RETURN(Tensor ybar, EmptyOn(backend, {b, L, H, p}));
   SMAT_RETURN_IF_ERROR(k->ChunkOutputs(plan, span, in.phi, in.psi, in.v, lam, S_in, &ybar, stream));
 
-  SMAT_ASSIGN_OR_RETURN(Tensor U, EmptyOn(backend, {b, H, plan.geo.B, r, p}));
+  // U = C F (F itself where C is the identity, d <= 2).
+  Tensor U;
+  if (long_range && plan.geo.IncidenceIsIdentity()) {
+    U = F;
+  } else {
+    SMAT_ASSIGN_OR_RETURN(U, EmptyOn(backend, {b, H, plan.geo.B, r, p}));
+  }
   if (long_range) {
     SMAT_RETURN_IF_ERROR(table->Wait());
     SMAT_RETURN_IF_ERROR(Upload(backend, F_comm, F, stream));
-    SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &U, stream));
+    if (!plan.geo.IncidenceIsIdentity()) SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &U, stream));
     SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, U, lam, cd, sv.recent_offset, in.type,
                                       &ybar, SmatWrite::kAdd, stream));
   } else {
@@ -433,8 +439,11 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
   if (long_range) {
     SMAT_RETURN_IF_ERROR(table->Wait());
     SMAT_RETURN_IF_ERROR(Upload(backend, U_bar_comm, U_bar, stream));
-    SMAT_ASSIGN_OR_RETURN(Tensor F_bar, EmptyOn(backend, {b, H, plan.geo.P, r, p}));
-    SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+    Tensor F_bar = U_bar;  // C^T U_bar: U_bar itself where C is the identity
+    if (!plan.geo.IncidenceIsIdentity()) {
+      SMAT_ASSIGN_OR_RETURN(F_bar, EmptyOn(backend, {b, H, plan.geo.P, r, p}));
+      SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+    }
     SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, lam, cd,
                                                    sv.distant_tail_decay, in.prof, F_bar,
                                                    &grads->psi, &grads->v, stream));

@@ -270,12 +270,19 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     fwd.push_back({"ChunkLogDecay", N * 8 + NC * 4, 0,
                    [&] { return k->ChunkLogDecay(plan, span, logg, &lam, &cd, nullptr); }});
   }
+  // Where C is the identity (d <= 2) the op pools into U and runs no
+  // tabulation, forward or backward (kernels/smat.cc).
+  const bool tabulate = !plan.geo.IncidenceIsIdentity();
   if (long_range) {
-    fwd.push_back({"ProfilePooling", nd * (r + dv) * es + BH * P * W * 4, 2 * nd * W, [&] {
-                     return k->ProfilePooling(plan, span, psi, v, lam, cd, Tensor(), &F, nullptr);
+    Tensor* pooled = tabulate ? &F : &U;
+    fwd.push_back({"ProfilePooling", nd * (r + dv) * es + BH * P * W * 4, 2 * nd * W, [&, pooled] {
+                     return k->ProfilePooling(plan, span, psi, v, lam, cd, Tensor(), pooled,
+                                              nullptr);
                    }});
-    fwd.push_back({"Tabulate", BH * (P + Bt) * W * 4, BH * nnz * W,
-                   [&] { return k->Tabulate(plan, F, &U, nullptr); }});
+    if (tabulate) {
+      fwd.push_back({"Tabulate", BH * (P + Bt) * W * 4, BH * nnz * W,
+                     [&] { return k->Tabulate(plan, F, &U, nullptr); }});
+    }
     fwd.push_back({"TypeReads (=)", nr * (r * es + p * 4) + BH * Bt * W * 4, 2 * nr * W, [&] {
                      return k->TypeReads(plan, span, phi, U, lam, cd, Tensor(), Tensor(), &reads,
                                          SmatWrite::kAssign, nullptr);
@@ -374,12 +381,16 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
              return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(), Tensor(),
                                          &phi_bar, &U_bar, nullptr);
            }});
-      bwd.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
-                     [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});
+      if (tabulate) {
+        bwd.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
+                       [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});
+      }
+      const Tensor* gathered = tabulate ? &F_bar : &U_bar;
       bwd.push_back({"ProfilePoolingBackward", nd * ((r + dv) * es + (r + dv) * 8) + BH * P * W * 4,
-                     4 * nd * W, [&] {
+                     4 * nd * W, [&, gathered] {
                        return k->ProfilePoolingBackward(plan, span, psi, v, lam, cd, Tensor(),
-                                                        Tensor(), F_bar, &psi_bar, &v_bar, nullptr);
+                                                        Tensor(), *gathered, &psi_bar, &v_bar,
+                                                        nullptr);
                      }});
     }
     if (cfg.gated) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -223,6 +224,28 @@ TEST(GeometryTest, DOneIsOnePointOneType) {
     EXPECT_TRUE(plan->warnings.empty());
   }
   EXPECT_EQ(MakeSmatPlan(3, 1, 64)->n, 0);
+}
+
+// The op skips the tabulation where C is the identity: d = 1 and d = 2 at
+// several q (C checked entry by entry), and not from d = 3 on.
+TEST(GeometryTest, IncidenceIsIdentityExactlyForDUpToTwo) {
+  for (auto [d, q] : std::vector<std::pair<int, int64_t>>{
+           {1, 0}, {2, 2}, {2, 3}, {2, 7}, {2, 31}, {2, 521}, {3, 3}, {3, 5}, {4, 3}}) {
+    auto g = MakeGeometry(d, q);
+    ASSERT_TRUE(g.ok()) << g.status();
+    bool identity = g->B == g->P;
+    for (int64_t h = 0; h < g->B && identity; ++h)
+      for (int64_t x = 0; x < g->P && identity; ++x) identity = g->Incident(h, x) == (h == x);
+    EXPECT_EQ(g->IncidenceIsIdentity(), identity) << "d=" << d << " q=" << q;
+    EXPECT_EQ(g->IncidenceIsIdentity(), d <= 2) << "d=" << d << " q=" << q;
+    if (identity) {
+      // TabulateIncidence then copies F: U = F exactly.
+      std::vector<double> F(g->P * 2), U(g->B * 2, 0.0);
+      for (size_t i = 0; i < F.size(); ++i) F[i] = 0.5 + 1.25 * static_cast<double>(i);
+      TabulateIncidence(*g, F.data(), U.data(), 2);
+      EXPECT_EQ(U, F) << "d=" << d << " q=" << q;
+    }
+  }
 }
 
 TEST(GeometryTest, PlanPicksQ) {

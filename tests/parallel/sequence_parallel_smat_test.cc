@@ -174,6 +174,30 @@ TEST_P(SpSmat, MatchesSingleProcessForEverySplit) {
 INSTANTIATE_TEST_SUITE_P(GatedAndContent, SpSmat,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool()));
 
+// d = 3 (T = 70, chunk 8: n = 32, q = 5, P = 25 points, B = 30 types): C is
+// not the identity, so the tables go through the tabulation and its adjoint
+// (d <= 2 skips them), with every split.
+TEST(SpSmatTabulated, DThreeMatchesSingleProcess) {
+  Fixture fx;
+  const int W = fx.comm->size();
+  for (bool gated : {false, true}) {
+    SCOPED_TRACE(gated ? "gated" : "ungated");
+    Problem pr = MakeProblem(70, 3, 8, gated, /*content=*/false, 13);
+    ASSERT_EQ(pr.plan.geo.B, 30);
+    ASSERT_FALSE(pr.plan.geo.IncidenceIsIdentity());
+    bool ok = true;
+    auto spans = SplitSequence(pr.plan, W);
+    ASSERT_TRUE(spans.ok()) << spans.status();
+    ok &= CheckAgainstSingleProcess(fx, pr, *spans, "d=3 default split");
+    for (const char* where : {"distant", "recent", "straddle"}) {
+      auto sp = SpansFromCuts(pr.plan, Cuts(pr.plan, W, where));
+      ASSERT_TRUE(sp.ok()) << sp.status();
+      ok &= CheckAgainstSingleProcess(fx, pr, *sp, where);
+    }
+    EXPECT_TRUE(AllRanks(ok));
+  }
+}
+
 // d = 1 (causal, one point, one type) with a sequence that is all chunks, and
 // with a partial last chunk under positional and content maps.
 TEST(SpSmatCausal, MatchesSingleProcess) {
