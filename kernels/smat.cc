@@ -137,23 +137,26 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
   // ends its distant part at n - 1, so F is already referred to Lambda_{n-1}.
   // Without tokens on both sides of n, U is the table of an empty F and no
   // token reads it: the branch is left out (reads undefined: none). Where C
-  // is the identity (d <= 2) U is F: the pooling writes U.
+  // is the identity (d <= 2) U is F: the pooling writes U. The branch runs
+  // on the backend's side stream where it has one, beside the causal
+  // branch's states, until the outputs need the reads.
   SMAT_ASSIGN_OR_RETURN(sv.U, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
   Tensor reads;
   if (SmatHasLongRange(plan)) {
+    SMAT_ASSIGN_OR_RETURN(Stream* const side, k->ForkSide(stream));
     if (plan.geo.IncidenceIsIdentity()) {
       SMAT_RETURN_IF_ERROR(k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay,
-                                             in.prof, &sv.U, stream));
+                                             in.prof, &sv.U, side));
     } else {
       SMAT_ASSIGN_OR_RETURN(Tensor F, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
       SMAT_RETURN_IF_ERROR(
-          k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, in.prof, &F, stream));
-      SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, stream));
+          k->ProfilePooling(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, in.prof, &F, side));
+      SMAT_RETURN_IF_ERROR(k->Tabulate(plan, F, &sv.U, side));
     }
     // The per-type reads of the recent tokens (step 4).
     SMAT_ASSIGN_OR_RETURN(reads, Alloc(backend, {d.batch, d.L, d.H, d.p}));
     SMAT_RETURN_IF_ERROR(k->TypeReads(plan, span, in.phi, sv.U, sv.lam, sv.chunk_decay, Tensor(),
-                                      in.type, &reads, SmatWrite::kAssign, stream));
+                                      in.type, &reads, SmatWrite::kAssign, side));
   } else {
     SMAT_RETURN_IF_ERROR(backend.Fill(sv.U, 0.0, stream));
   }
@@ -169,7 +172,7 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
       const bool walked,
       k->ChunkStatesAndOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.chunk_decay, Tensor(),
                                reads, in.eps, &sv.S_in, &fwd->o, &sv.den, stream));
-  if (walked) return absl::OkStatus();
+  if (walked) return k->JoinSide(stream);  // joined before the reads: a no-op
   SMAT_ASSIGN_OR_RETURN(Tensor D, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
   SMAT_RETURN_IF_ERROR(
       k->ChunkSummaries(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, &D, stream));
@@ -177,6 +180,7 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
   SMAT_ASSIGN_OR_RETURN(Tensor span_decay, Alloc(backend, {d.batch, 2, d.H}));
   SMAT_RETURN_IF_ERROR(k->ChunkScan(plan, span, D, sv.chunk_decay, Tensor(), &sv.S_in, &span_state,
                                     &span_decay, stream));
+  SMAT_RETURN_IF_ERROR(k->JoinSide(stream));
   return k->NormalizedOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.S_in, reads, in.eps,
                               &fwd->o, &sv.den, stream);
 }

@@ -251,6 +251,18 @@ class SmatKernels {
                                          Tensor* den,  // [batch, L, H]
                                          Stream* stream) = 0;
 
+  // The forward's long-range phases (ProfilePooling, Tabulate, TypeReads)
+  //   need nothing of its causal branch until the outputs add the reads.
+  //   Where a backend has a second stream, ForkSide returns it, its work
+  //   ordered after everything `stream` holds so far, for those phases to run
+  //   beside the causal branch's first phases; JoinSide(stream) makes
+  //   `stream` wait for all that was issued to it. ChunkStatesAndOutputs
+  //   joins by itself, after the launches that do not read `reads`. Without
+  //   a second stream ForkSide returns `stream` and JoinSide does nothing.
+  //   The results are the same bits either way.
+  virtual absl::StatusOr<Stream*> ForkSide(Stream* stream) { return stream; }
+  virtual absl::Status JoinSide(Stream* stream) { return absl::OkStatus(); }
+
   // F2 + F3 + NormalizedOutputs in one call, where a backend has a path that
   //   never reads the states back from memory: S_in as ChunkScan writes it
   //   (from `incoming`, zero where undefined), then o and den as
@@ -258,7 +270,8 @@ class SmatKernels {
   //   having written nothing, where the backend has no such path for these
   //   inputs: the composer then runs the three phases. The results agree with
   //   the three phases' within the phases' tolerances (the state sums run in
-  //   another order), and repeat bit for bit.
+  //   another order), and repeat bit for bit. Joins the side stream (see
+  //   ForkSide) before it reads `reads`.
   virtual absl::StatusOr<bool> ChunkStatesAndOutputs(
       const SmatPlan& plan, const SmatSpan& span,
       const Tensor& phi,          // [batch, L, H, r]

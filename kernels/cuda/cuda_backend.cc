@@ -325,7 +325,21 @@ absl::Status CudaBackend::Gemm(Transpose ta, Transpose tb, float alpha, const Te
 absl::StatusOr<SmatKernels*> CudaBackend::smat() {
   absl::MutexLock lock(&smat_mu_);
   if (smat_ == nullptr) {
-    smat_ = MakeCudaSmatKernels(device_, [this](Stream* s) { return StreamOf(s, "smat"); });
+    // ForkSide's stream at the device's highest priority: the forward's
+    // long-range phases take the SMs as they free up and the causal states
+    // fill the rest.
+    smat_ = MakeCudaSmatKernels(
+        device_, [this](Stream* s) { return StreamOf(s, "smat"); },
+        [this]() -> absl::StatusOr<std::unique_ptr<Stream>> {
+          ScopedDevice scope(device_);
+          SMAT_RETURN_IF_ERROR(scope.status());
+          int least = 0, greatest = 0;
+          SMAT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+          cudaStream_t s = nullptr;
+          SMAT_CUDA_RETURN_IF_ERROR(
+              cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+          return std::unique_ptr<Stream>(new CudaStream(device_, s));
+        });
   }
   return smat_.get();
 }

@@ -422,7 +422,8 @@ WalkSegments PlanWalk(const SmatCudaDims& d, int sms) {
 template <bool kFull, int kP>
 cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, const void* phi,
                        const void* psi, const void* v, const float* incoming, float* totals,
-                       float* starts, float* S_in, const Outputs& out, cudaStream_t stream) {
+                       float* starts, float* S_in, const Outputs& out, cudaEvent_t reads_ready,
+                       cudaStream_t stream) {
   const int segs = ws.seg_d + ws.seg_r;
   const unsigned bh = static_cast<unsigned>(d.batch * d.H);
   auto bf = [](const void* x) { return static_cast<const __nv_bfloat16*>(x); };
@@ -440,6 +441,10 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
     WalkStartsKernel<<<dim3(static_cast<unsigned>((W + 255) / 256), bh), 256, 0, stream>>>(
         d, ws, incoming, totals, starts);
     const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  if (reads_ready != nullptr) {
+    const cudaError_t err = cudaStreamWaitEvent(stream, reads_ready, 0);
     if (err != cudaSuccess) return err;
   }
   auto kernel = ChunkWalkKernel<kFull, kP>;
@@ -469,8 +474,10 @@ int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& d) {
 cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const void* psi,
                                 const void* v, const float* incoming, const float* reads,
                                 int64_t recent_begin, float eps, float* S_in, void* o, float* den,
-                                float* scratch, cudaStream_t stream) {
-  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+                                float* scratch, cudaEvent_t reads_ready, cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) {
+    return reads_ready != nullptr ? cudaStreamWaitEvent(stream, reads_ready, 0) : cudaSuccess;
+  }
   const WalkSegments ws = PlanWalk(d, DeviceSms());
   const int64_t starts_floats =
       static_cast<int64_t>(d.batch) * d.H * (ws.seg_d + ws.seg_r) * d.r * d.p;
@@ -483,14 +490,14 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const vo
   const bool three = SmatBf16SplitParts() == 3;
   if (full) {
     return three ? LaunchWalk<true, 3>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
-                                       stream)
+                                       reads_ready, stream)
                  : LaunchWalk<true, 2>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
-                                       stream);
+                                       reads_ready, stream);
   }
   return three ? LaunchWalk<false, 3>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
-                                      stream)
+                                      reads_ready, stream)
                : LaunchWalk<false, 2>(d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out,
-                                      stream);
+                                      reads_ready, stream);
 }
 
 }  // namespace smat

@@ -12,6 +12,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -39,8 +41,40 @@ using cuda_groups::SegmentsFor;
 
 class CudaSmatKernels final : public SmatKernels {
  public:
-  CudaSmatKernels(int device, CudaStreamResolver stream_of)
-      : device_(device), args_(device), stream_of_(std::move(stream_of)) {}
+  CudaSmatKernels(int device, CudaStreamResolver stream_of, CudaSideStreamMaker make_side)
+      : device_(device),
+        args_(device),
+        stream_of_(std::move(stream_of)),
+        make_side_(std::move(make_side)) {}
+  ~CudaSmatKernels() override {
+    if (fork_ != nullptr) cudaEventDestroy(fork_);
+    if (join_ != nullptr) cudaEventDestroy(join_);
+  }
+
+  // ------------------------------------------------------------ side stream
+  absl::StatusOr<Stream*> ForkSide(Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    if (!make_side_) return stream;
+    std::lock_guard<std::mutex> lock(side_mu_);
+    if (side_ == nullptr) {
+      SMAT_ASSIGN_OR_RETURN(std::unique_ptr<Stream> side, make_side_());
+      SMAT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+      SMAT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+      side_ = std::move(side);
+    }
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t side, Enter(side_.get()));
+    SMAT_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, s));
+    SMAT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, fork_, 0));
+    return side_.get();
+  }
+
+  absl::Status JoinSide(Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    std::lock_guard<std::mutex> lock(side_mu_);
+    SMAT_ASSIGN_OR_RETURN(cudaEvent_t done, SideDone());
+    if (done != nullptr) SMAT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, done, 0));
+    return absl::OkStatus();
+  }
 
   // ---------------------------------------------------------------- forward
   absl::Status ChunkLogDecay(const SmatPlan& plan, const SmatSpan& span, const Tensor& logg,
@@ -258,10 +292,13 @@ class CudaSmatKernels final : public SmatKernels {
     CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* work, scratch.Get<float>(SmatChunkWalkScratchFloats(d)));
     const int64_t recent_begin = span.recent_begin(plan) - span.t0;
-    SMAT_RETURN_IF_ERROR(
-        CudaStatus(LaunchSmatChunkWalk(d, phi.raw(), psi.raw(), v.raw(), F32(incoming), F32(reads),
-                                       recent_begin, eps, F32(S_in), o->raw(), F32(den), work, s),
-                   "ChunkStatesAndOutputs kernels"));
+    // The side stream's reads are waited for after the totals and the starts.
+    std::lock_guard<std::mutex> lock(side_mu_);
+    SMAT_ASSIGN_OR_RETURN(cudaEvent_t side_done, SideDone());
+    SMAT_RETURN_IF_ERROR(CudaStatus(
+        LaunchSmatChunkWalk(d, phi.raw(), psi.raw(), v.raw(), F32(incoming), F32(reads),
+                            recent_begin, eps, F32(S_in), o->raw(), F32(den), work, side_done, s),
+        "ChunkStatesAndOutputs kernels"));
     return true;
   }
 
@@ -517,6 +554,18 @@ class CudaSmatKernels final : public SmatKernels {
   }
 
  private:
+  // An event, recorded now, that completes when all the work issued to the
+  // side stream so far has; nullptr before the first ForkSide. The caller
+  // holds side_mu_ until its stream has been told to wait for it. Every join
+  // waits for everything issued to the side stream before it, whichever
+  // caller issued it, so callers on several threads stay ordered.
+  absl::StatusOr<cudaEvent_t> SideDone() {
+    if (side_ == nullptr) return nullptr;
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t side, Enter(side_.get()));
+    SMAT_CUDA_RETURN_IF_ERROR(cudaEventRecord(join_, side));
+    return join_;
+  }
+
   // Selects the device and resolves the stream.
   absl::StatusOr<cudaStream_t> Enter(Stream* stream) {
     SMAT_RETURN_IF_ERROR(UseDevice(device_));
@@ -592,12 +641,19 @@ class CudaSmatKernels final : public SmatKernels {
   const SmatCudaArgs args_;
   CudaStreamResolver stream_of_;
   IncidenceCache incidence_;
+  // ForkSide's stream (made on first use) and the events that order it
+  // against the callers' streams, guarded by side_mu_.
+  CudaSideStreamMaker make_side_;
+  std::mutex side_mu_;
+  std::unique_ptr<Stream> side_;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 
 }  // namespace
 
-std::unique_ptr<SmatKernels> MakeCudaSmatKernels(int device, CudaStreamResolver stream_of) {
-  return std::make_unique<CudaSmatKernels>(device, std::move(stream_of));
+std::unique_ptr<SmatKernels> MakeCudaSmatKernels(int device, CudaStreamResolver stream_of,
+                                                 CudaSideStreamMaker make_side) {
+  return std::make_unique<CudaSmatKernels>(device, std::move(stream_of), std::move(make_side));
 }
 
 }  // namespace smat

@@ -27,8 +27,14 @@ namespace smat {
 // CUDA stream to launch on; an error for a foreign stream.
 using CudaStreamResolver = std::function<absl::StatusOr<cudaStream_t>(Stream*)>;
 
+// Makes the side stream of ForkSide (SmatKernels): a stream of the owning
+// backend, so that the resolver knows it.
+using CudaSideStreamMaker = std::function<absl::StatusOr<std::unique_ptr<Stream>>()>;
+
 // The SMat phase kernels for CUDA device `device`. Tensors passed to them must
-// live on that device (Device::Cuda(device)).
-std::unique_ptr<SmatKernels> MakeCudaSmatKernels(int device, CudaStreamResolver stream_of);
+// live on that device (Device::Cuda(device)). Without `make_side`, ForkSide
+// returns the stream it is given (one stream for everything).
+std::unique_ptr<SmatKernels> MakeCudaSmatKernels(int device, CudaStreamResolver stream_of,
+                                                 CudaSideStreamMaker make_side = nullptr);
 
 }  // namespace smat

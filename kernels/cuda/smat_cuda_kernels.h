@@ -307,12 +307,13 @@ bool SmatNormalizedOutputsFusedFits(const SmatCudaDims& dims);
 // span's tokens, written to S_in (if not null) as ChunkScan writes them, and
 // o and den as LaunchSmatNormalizedOutputsFused writes them from those states.
 // scratch: SmatChunkWalkScratchFloats(dims) floats (the segments' totals and
-// entering states).
+// entering states). reads_ready (or null): an event the walk waits for after
+// the totals and the starts, before anything reads `reads`.
 int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& dims);
 cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& dims, const void* phi, const void* psi,
                                 const void* v, const float* incoming, const float* reads,
                                 int64_t recent_begin, float eps, float* S_in, void* o, float* den,
-                                float* scratch, cudaStream_t stream);
+                                float* scratch, cudaEvent_t reads_ready, cudaStream_t stream);
 
 // ---- smat_chunk_bwd_mma.cu ------------------------------------------------------
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,8 +35,9 @@ struct OpResult {
   std::vector<Tensor> host;  // o, d_phi, d_psi, d_v, (d_logg)
 };
 
-absl::StatusOr<OpResult> RunOp(Backend& be, const SmatPlan& plan, const SmatReferenceProblem& pr,
-                               bool bf16, const std::vector<double>& d_o) {
+// The op's inputs on `be` (bf16: features rounded to bf16; the CPU gets the
+// rounded values in fp32).
+absl::StatusOr<SmatInputs> LoadInputs(Backend& be, const SmatReferenceProblem& pr, bool bf16) {
   const bool gpu = !be.device().is_cpu();
   auto load = [&](const Tensor& host) -> absl::StatusOr<Tensor> {
     return gpu ? ToDevice(be, host) : absl::StatusOr<Tensor>(host);
@@ -62,7 +64,16 @@ absl::StatusOr<OpResult> RunOp(Backend& be, const SmatPlan& plan, const SmatRefe
     SMAT_ASSIGN_OR_RETURN(in.type, load(testing_util::ToI32(pr.type, tok)));
   }
   in.eps = static_cast<float>(pr.eps);
-  SMAT_ASSIGN_OR_RETURN(Tensor dout, load(HostF32(d_o, {pr.batch, pr.T, pr.H, pr.dv})));
+  return in;
+}
+
+absl::StatusOr<OpResult> RunOp(Backend& be, const SmatPlan& plan, const SmatReferenceProblem& pr,
+                               bool bf16, const std::vector<double>& d_o) {
+  const bool gpu = !be.device().is_cpu();
+  SMAT_ASSIGN_OR_RETURN(const SmatInputs in, LoadInputs(be, pr, bf16));
+  const Tensor d_o_host = HostF32(d_o, {pr.batch, pr.T, pr.H, pr.dv});
+  SMAT_ASSIGN_OR_RETURN(Tensor dout,
+                        gpu ? ToDevice(be, d_o_host) : absl::StatusOr<Tensor>(d_o_host));
   SmatForwardOutputs fwd;
   SMAT_RETURN_IF_ERROR(SmatForward(be, plan, in, &fwd));
   SmatGradients g;
@@ -125,6 +136,62 @@ TEST_F(SmatOpGpuTest, WholeOpMatchesCpuAndReferenceAndRepeatsBitwise) {
       EXPECT_EQ(std::memcmp(gpu.host[i].raw(), again.host[i].raw(), gpu.host[i].nbytes()), 0)
           << names[i] << ": two runs on the same inputs differ";
     }
+  }
+}
+
+// The forward's long-range phases run on the backend's side stream
+// (SmatKernels::ForkSide) while the causal states start on the caller's, and
+// the outputs wait for the reads. Two forwards on different inputs go back to
+// back on a stream of the caller's, twice: the second one's o against the
+// CPU op's (reads left over from the first, or not yet written, would be far
+// outside the tolerance) and bit for bit against its repeat. Ungated, the
+// walk joins after its first launches; gated, the three phases join before
+// the outputs.
+TEST_F(SmatOpGpuTest, SideStreamForwardsBackToBack) {
+  SMAT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Stream> stream, gpu_->CreateStream());
+  for (bool gated : {false, true}) {
+    SCOPED_TRACE(gated ? "gated" : "ungated");
+    ProblemSpec sp{.batch = 1,
+                   .T = 8192,
+                   .H = 2,
+                   .r = 64,
+                   .dv = 64,
+                   .d = 2,
+                   .chunk = 128,
+                   .gated = gated,
+                   .eps = 1e-3,
+                   .seed = 41};
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatPlan plan, MakeSmatPlan(sp.T, sp.d, sp.chunk));
+    ASSERT_TRUE(SmatHasLongRange(plan));
+    const SmatReferenceProblem first = RandomProblem(plan, sp);
+    sp.seed = 42;
+    const SmatReferenceProblem second = RandomProblem(plan, sp);
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatInputs in1, LoadInputs(*gpu_, first, /*bf16=*/true));
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatInputs in2, LoadInputs(*gpu_, second, /*bf16=*/true));
+    SmatForwardOutputs f1, f2, f1_again, f2_again;
+    SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in1, &f1, stream.get()));
+    SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in2, &f2, stream.get()));
+    SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in1, &f1_again, stream.get()));
+    SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in2, &f2_again, stream.get()));
+    SMAT_ASSERT_OK(gpu_->Synchronize(stream.get()));
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatInputs cpu_in, LoadInputs(*cpu_, second, /*bf16=*/true));
+    SmatForwardOutputs cpu_out;
+    SMAT_ASSERT_OK(SmatForward(*cpu_, plan, cpu_in, &cpu_out));
+    SMAT_ASSERT_OK_AND_ASSIGN(Tensor o2, ToHost(*gpu_, f2.o));
+    SMAT_ASSERT_OK_AND_ASSIGN(Tensor o2_again, ToHost(*gpu_, f2_again.o));
+    const std::vector<double> g = Values(o2), c = Values(cpu_out.o);
+    ASSERT_EQ(g.size(), c.size());
+    double err = 0.0;
+    for (size_t j = 0; j < g.size(); ++j) {
+      err = std::isfinite(g[j]) ? std::max(err, std::abs(g[j] - c[j])) : INFINITY;
+    }
+    err /= std::max(MaxAbs(c), kGradScaleFloor);
+    std::printf("side stream, %s: o gpu-cpu %.3g\n", gated ? "gated" : "ungated", err);
+    EXPECT_LE(err, kBf16OutTol);
+    EXPECT_GT(MaxAbs(c), 0.0);
+    ASSERT_EQ(o2.nbytes(), o2_again.nbytes());
+    EXPECT_EQ(std::memcmp(o2.raw(), o2_again.raw(), o2.nbytes()), 0)
+        << "the same forward twice gave different bits";
   }
 }
 
