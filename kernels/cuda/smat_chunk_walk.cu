@@ -14,6 +14,8 @@
 //      wanted), the chunk's outputs (one warp per query block, every column:
 //      the state terms of all eight, a barrier, then the causal sums), and
 //      S += psi^T vbar over the chunk on warps 0-3 beside the causal sums.
+// Where the reads are written on another stream (SmatKernels::ForkSide), the
+// stream waits for them between launches 2 and 3.
 // The state waits between chunks as three bf16 planes, which hold an fp32
 // value exactly (x = x1 + x2 + x3, 8 significant bits each, x1 + x2 and then
 // + x3 exact in fp32): the planes the products read are the state itself.
@@ -52,6 +54,10 @@
 // chunk's state terms computed while its psi and vbar load (1.33 ms). The
 // totals with two buffers per block, three blocks per SM, took 305 us as
 // before (72% of the DRAM peak): more bytes in flight did not move them.
+// At d = 2 (walk with the reads 1.71 ms), not kept either: the reads loaded
+// into the accumulators before the state term (1.90 ms) or added after it,
+// before the barrier (1.79 ms); the starts and the walk as programmatic
+// dependent launches (1.72 ms, and no change at d = 1).
 // Nsight Compute (at 1.37 ms): issue slots 47%, L1 62%, tensor pipe 35%, 0.9
 // eligible warps per scheduler of 3.7; warps stalled on fixed-latency
 // dependences 24% of the samples, at the barrier after the query blocks 15%.
