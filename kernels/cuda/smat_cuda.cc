@@ -143,7 +143,7 @@ class CudaSmatKernels final : public SmatKernels {
     }
     const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * P, 1, P};
     return GroupedSum(d, groups, end, psi.raw(), v.raw(), true, w, lay, F32(F), &scratch, s,
-                      "ProfilePooling");
+                      "ProfilePooling", cuda_groups::kTokensPerTableSegment);
   }
 
   absl::Status Tabulate(const SmatPlan& plan, const Tensor& F, Tensor* U,
@@ -389,7 +389,8 @@ class CudaSmatKernels final : public SmatKernels {
     if (SmatTypeReadsBackwardBf16Fits(d, phi.raw())) {
       // Both in one pass over the tokens; U_bar's segments summed after it.
       const int64_t G = groups.num_groups;
-      const int segments = SegmentsFor(groups.end - groups.begin, G);
+      const int segments =
+          SegmentsFor(groups.end - groups.begin, G, cuda_groups::kTokensPerTableSegment);
       float* out = F32(U_bar);
       SmatMatrixLayout out_lay = lay;
       if (segments > 1) {
@@ -622,8 +623,9 @@ class CudaSmatKernels final : public SmatKernels {
   absl::Status GroupedSum(const SmatCudaDims& d, const SmatTokenGroups& groups, int64_t len,
                           const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
                           const SmatMatrixLayout& lay, float* out, CudaScratch* scratch,
-                          cudaStream_t s, const char* what) {
-    const int segments = SegmentsFor(len, groups.num_groups);
+                          cudaStream_t s, const char* what,
+                          int64_t tokens = cuda_groups::kTokensPerSegment) {
+    const int segments = SegmentsFor(len, groups.num_groups, tokens);
     if (segments == 1) {
       return CudaStatus(LaunchSmatGroupedOuterSum(d, groups, 1, a, b, b_is_v, w, lay, out, s), what);
     }
