@@ -149,6 +149,28 @@ std::vector<int64_t> Cuts(const SmatPlan& plan, int W, const std::string& where)
   return cuts;
 }
 
+// The default split and those of Cuts, each against the single-process op
+// (this rank's verdict; a split that cannot be made fails the test).
+bool CheckEverySplit(Fixture& fx, const Problem& pr) {
+  const int W = fx.comm->size();
+  auto spans = SplitSequence(pr.plan, W);
+  if (!spans.ok()) {
+    ADD_FAILURE() << spans.status();
+    return false;
+  }
+  bool ok = CheckAgainstSingleProcess(fx, pr, *spans, "default split");
+  for (const char* where : {"distant", "recent", "straddle"}) {
+    auto s = SpansFromCuts(pr.plan, Cuts(pr.plan, W, where));
+    if (!s.ok()) {
+      ADD_FAILURE() << where << ": " << s.status();
+      ok = false;
+      continue;
+    }
+    ok &= CheckAgainstSingleProcess(fx, pr, *s, where);
+  }
+  return ok;
+}
+
 // T = 70, chunk 8: n = 32, 9 chunks (the last one partial, 6 tokens); d = 2
 // gives q = 7, P = 7 points, B = 7 types.
 class SpSmat : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
@@ -156,19 +178,9 @@ class SpSmat : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 TEST_P(SpSmat, MatchesSingleProcessForEverySplit) {
   const auto [gated, content] = GetParam();
   Fixture fx;
-  const int W = fx.comm->size();
   Problem pr = MakeProblem(70, 2, 8, gated, content, 42);
   ASSERT_EQ(pr.plan.n, 32);
-  bool ok = true;
-  auto spans = SplitSequence(pr.plan, W);
-  ASSERT_TRUE(spans.ok()) << spans.status();
-  ok &= CheckAgainstSingleProcess(fx, pr, *spans, "default split");
-  for (const char* where : {"distant", "recent", "straddle"}) {
-    auto s = SpansFromCuts(pr.plan, Cuts(pr.plan, W, where));
-    ASSERT_TRUE(s.ok()) << s.status();
-    ok &= CheckAgainstSingleProcess(fx, pr, *s, where);
-  }
-  EXPECT_TRUE(AllRanks(ok));
+  EXPECT_TRUE(AllRanks(CheckEverySplit(fx, pr)));
 }
 
 INSTANTIATE_TEST_SUITE_P(GatedAndContent, SpSmat,
@@ -179,22 +191,12 @@ INSTANTIATE_TEST_SUITE_P(GatedAndContent, SpSmat,
 // (d <= 2 skips them), with every split.
 TEST(SpSmatTabulated, DThreeMatchesSingleProcess) {
   Fixture fx;
-  const int W = fx.comm->size();
   for (bool gated : {false, true}) {
     SCOPED_TRACE(gated ? "gated" : "ungated");
     Problem pr = MakeProblem(70, 3, 8, gated, /*content=*/false, 13);
     ASSERT_EQ(pr.plan.geo.B, 30);
     ASSERT_FALSE(pr.plan.geo.IncidenceIsIdentity());
-    bool ok = true;
-    auto spans = SplitSequence(pr.plan, W);
-    ASSERT_TRUE(spans.ok()) << spans.status();
-    ok &= CheckAgainstSingleProcess(fx, pr, *spans, "d=3 default split");
-    for (const char* where : {"distant", "recent", "straddle"}) {
-      auto sp = SpansFromCuts(pr.plan, Cuts(pr.plan, W, where));
-      ASSERT_TRUE(sp.ok()) << sp.status();
-      ok &= CheckAgainstSingleProcess(fx, pr, *sp, where);
-    }
-    EXPECT_TRUE(AllRanks(ok));
+    EXPECT_TRUE(AllRanks(CheckEverySplit(fx, pr)));
   }
 }
 
