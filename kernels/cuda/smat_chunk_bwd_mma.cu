@@ -55,8 +55,11 @@
 // in a fixed order, read, added to and written by one thread, no atomics: the
 // same inputs give the same bits, within 1e-5 of the CPU phases
 // (tests/gpu/smat_gpu_test.cc). The parts are a template argument (kP):
-// SMAT_CUDA_BF16_PARTS=2 (SmatBf16SplitParts) runs two, 16 significant bits,
-// a product with two split operands 3 MMAs (5536 per chunk and head instead
+// SMAT_CUDA_BF16_PARTS=1 rounds each fp32 operand to bf16 once (kP = 1, up
+// to 2^-8 relative per product): 4.81 -> 4.13 ms at the shape below
+// (2026-12-01; the kernel stays bound by its memory traffic and the side
+// terms' read-back). SMAT_CUDA_BF16_PARTS=2 (SmatBf16SplitParts) runs two,
+// 16 significant bits, a product with two split operands 3 MMAs (5536 per chunk and head instead
 // of 8832): 5.63 -> 5.18 ms at the shape below, up to 5.8e-6 of the CPU
 // phases against 4e-7 with three.
 //
@@ -483,13 +486,19 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const voi
                                                 float* phi_bar, float* psi_bar, float* v_bar,
                                                 bool assign, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  const bool three = SmatBf16SplitParts() == 3;
+  const int parts = SmatBf16SplitParts();
   auto launch = [&](auto gated, auto write) {
     constexpr bool kGated = decltype(gated)::value, kAssign = decltype(write)::value;
-    return three ? LaunchGated<kGated, kAssign, 3>(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
-                                                   D_bar, phi_bar, psi_bar, v_bar, stream)
-                 : LaunchGated<kGated, kAssign, 2>(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
-                                                   D_bar, phi_bar, psi_bar, v_bar, stream);
+    if (parts == 3) {
+      return LaunchGated<kGated, kAssign, 3>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
+                                             phi_bar, psi_bar, v_bar, stream);
+    }
+    if (parts == 2) {
+      return LaunchGated<kGated, kAssign, 2>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
+                                             phi_bar, psi_bar, v_bar, stream);
+    }
+    return LaunchGated<kGated, kAssign, 1>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
+                                           phi_bar, psi_bar, v_bar, stream);
   };
   using Yes = std::true_type;
   using No = std::false_type;

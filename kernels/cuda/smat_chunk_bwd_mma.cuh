@@ -30,7 +30,7 @@ constexpr int kTile = kC * kLd;  // bf16 elements of one staged tile
 // bb [8][8] (mma_tiles::GateFactors).
 constexpr int kPhi = 0, kPsi = 1, kV = 2, kG = 3;  // tile indices
 constexpr int kBlocks = kC / 16;  // 16-token blocks of a chunk
-// kP: the bf16 parts of every fp32 operand (2 or 3, SmatBf16SplitParts).
+// kP: the bf16 parts of every fp32 operand (1, 2 or 3, SmatBf16SplitParts).
 template <int kP>
 constexpr int kTiles = 3 + kP;
 template <int kP>

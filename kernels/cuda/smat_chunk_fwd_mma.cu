@@ -52,7 +52,8 @@
 // cases); a fixed summation order and no atomics, so the same inputs give the
 // same bits (tests/gpu/smat_gpu_test.cc). SMAT_CUDA_BF16_PARTS=2 runs two
 // parts (kP; 2 MMAs per n-tile and term): NormalizedOutputs 1.50 -> 1.35 ms
-// at the shape above with the column halves.
+// at the shape above with the column halves; SMAT_CUDA_BF16_PARTS=1 one
+// (bf16 products): 1.33 -> 0.97 ms at d = 2 (2026-12-01).
 //
 // The block shape, Outputs, Block, StageState, QueryBlock and StoreRows:
 // smat_chunk_fwd_mma.cuh (shared with the walk of smat_chunk_walk.cu, which
@@ -155,8 +156,10 @@ template <bool kGated, bool kNorm, bool kFull>
 cudaError_t LaunchShaped(const SmatCudaDims& d, bool vec, const void* phi, const void* psi,
                          const void* v, const float* lam, const float* S_in, const Outputs& out,
                          cudaStream_t stream) {
-  auto kernel = SmatBf16SplitParts() == 3 ? ChunkForwardFusedKernel<kGated, kNorm, kFull, 3>
-                                          : ChunkForwardFusedKernel<kGated, kNorm, kFull, 2>;
+  const int parts = SmatBf16SplitParts();
+  auto kernel = parts == 3   ? ChunkForwardFusedKernel<kGated, kNorm, kFull, 3>
+                : parts == 2 ? ChunkForwardFusedKernel<kGated, kNorm, kFull, 2>
+                             : ChunkForwardFusedKernel<kGated, kNorm, kFull, 1>;
   constexpr int kBytes = kNorm ? kSmemNormBytes : kSmemBytes;
   const cudaError_t err = AllowSharedMemory(kernel, kBytes);
   if (err != cudaSuccess) return err;

@@ -500,7 +500,9 @@ constexpr bool kFusedForwardBf16 = true;
 // SmatBf16SplitParts): three, so that every phase keeps fp32 accuracy (1e-5
 // of the CPU phases with a wide margin: 4e-7 measured); two are faster (H200,
 // d = 2, 2026-12-01: B7 5.63 -> 5.18 ms, NormalizedOutputs 1.50 -> 1.35 ms)
-// at up to 5.8e-6 of the CPU phases.
+// at up to 5.8e-6 of the CPU phases; one (bf16 products, as
+// flash-linear-attention computes) faster still (d = 2: B7 4.81 -> 4.13 ms,
+// the walk 1.70 -> 1.45 ms; d = 1 forward 1.52 -> 1.23 ms) at up to 3.4e-3.
 constexpr int kBf16SplitPartsByDefault = 3;
 
 template <Kind kKind, typename In>
@@ -551,11 +553,12 @@ int64_t SmatChunkMmaTilesSmemBytes() { return sizeof(float) * kSmemFloats; }
 int SmatBf16SplitParts() {
   const char* env = std::getenv("SMAT_CUDA_BF16_PARTS");
   if (env == nullptr || *env == '\0') return kBf16SplitPartsByDefault;
+  if (std::strcmp(env, "1") == 0) return 1;
   if (std::strcmp(env, "2") == 0) return 2;
   if (std::strcmp(env, "3") == 0) return 3;
   static std::once_flag warned;
   std::call_once(warned, [env] {
-    std::fprintf(stderr, "smat: SMAT_CUDA_BF16_PARTS=\"%s\" is not 2 or 3; using %d\n", env,
+    std::fprintf(stderr, "smat: SMAT_CUDA_BF16_PARTS=\"%s\" is not 1, 2 or 3; using %d\n", env,
                  kBf16SplitPartsByDefault);
   });
   return kBf16SplitPartsByDefault;

@@ -255,11 +255,13 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& dims, const v
 bool SmatChunkMmaTilesFit(const SmatCudaDims& dims);
 bool SmatUseMmaChunkTiles(const SmatCudaDims& dims, bool backward);
 // The bf16 parts of every fp32 operand (S_in, gbar, D_bar, the score tiles) in
-// the fused tiles of bf16 inputs (smat_chunk_fwd_mma.cu, smat_chunk_bwd_mma.cu):
-// 3 (24 significant bits, the scheme of fp32 inputs) unless
-// SMAT_CUDA_BF16_PARTS is "2" (16 bits: fewer MMAs, errors up to about 2^-16
-// relative per product). Read on every launch; any other value is reported
-// once on stderr and the default kept.
+// the fused tiles of bf16 inputs (smat_chunk_fwd_mma.cu, smat_chunk_bwd_mma.cu,
+// the walk of smat_chunk_walk.cu): 3 (24 significant bits, the scheme of fp32
+// inputs) unless SMAT_CUDA_BF16_PARTS is "2" (16 bits: fewer MMAs, errors up
+// to about 2^-16 relative per product) or "1" (each operand rounded to bf16
+// once, as flash-linear-attention's kernels do: up to 2^-8 relative per
+// product; the fewest MMAs and shared-memory loads). Read on every launch; any
+// other value is reported once on stderr and the default kept.
 int SmatBf16SplitParts();
 // SmatUseMmaChunkTiles (forward) and LaunchSmatChunkOutputsMma runs the fused
 // bf16 kernel of smat_chunk_fwd_mma.cu.

@@ -5,7 +5,8 @@
 // 16-byte cp.async, the staging of bf16 token rows, ldmatrix, the m16n8k16
 // bf16 mma with fp32 accumulation, and the split of fp32 values into three
 // bf16 parts x = x1 + x2 + x3 (24 significant bits: exact for normal fp32;
-// two parts, 16 bits, where a kernel takes kP = 2)
+// two parts, 16 bits, where a kernel takes kP = 2; one, bf16 rounding, with
+// kP = 1)
 // with the products of the exactness scheme (smat_chunk_mma.cu): one exact
 // operand 3 MMAs, two split operands the 6 terms down to 2^-16 relative, the
 // correction terms summed smallest first in an accumulator (lo) of their own.
@@ -216,22 +217,30 @@ __device__ __forceinline__ void Split2(float x0, float x1, uint32_t& p1, uint32_
   p2 = Pack(__floats2bfloat162_rn(x0 - __low2float(h1), x1 - __high2float(h1)));
 }
 
-// kP (2 or 3) parts of a pair, of a 16 x 16 tile's A fragments, or of a B
+// kP (1, 2 or 3) parts of a pair, of a 16 x 16 tile's A fragments, or of a B
 // fragment (SplitBParts, below), for kernels that take the number of parts
 // as a template argument (see SmatBf16SplitParts).
 template <int kP>
 __device__ __forceinline__ void SplitPair(float x0, float x1, uint32_t (&p)[kP]) {
-  static_assert(kP == 2 || kP == 3, "two or three parts");
+  static_assert(kP >= 1 && kP <= 3, "one, two or three parts");
   if constexpr (kP == 3) {
     Split3(x0, x1, p[0], p[1], p[2]);
-  } else {
+  } else if constexpr (kP == 2) {
     Split2(x0, x1, p[0], p[1]);
+  } else {
+    p[0] = Pack(__floats2bfloat162_rn(x0, x1));
   }
 }
 template <int kP>
 __device__ __forceinline__ void SplitTileParts(const float (&x)[2][4], uint32_t (&a)[kP][4]) {
   if constexpr (kP == 3) {
     SplitTile(x, a);
+  } else if constexpr (kP == 1) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        a[0][2 * nt + hr] = Pack(__floats2bfloat162_rn(x[nt][2 * hr], x[nt][2 * hr + 1]));
   } else {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -278,6 +287,9 @@ template <int kP>
 __device__ __forceinline__ void SplitBParts(const float (&x)[4], uint32_t (&b)[kP][2]) {
   if constexpr (kP == 3) {
     SplitB(x, b);
+  } else if constexpr (kP == 1) {
+    b[0][0] = Pack(__floats2bfloat162_rn(x[0], x[1]));
+    b[0][1] = Pack(__floats2bfloat162_rn(x[2], x[3]));
   } else {
     Split2(x[0], x[1], b[0][0], b[1][0]);
     Split2(x[2], x[3], b[0][1], b[1][1]);
@@ -366,16 +378,19 @@ __device__ __forceinline__ void Mma3x3(float (&hi)[4], float (&lo)[4], const uin
   Mma(hi, a[0], b[0][0], b[0][1]);
 }
 
-// The same with kP parts (2 or 3) of each split operand. hi and lo may be
+// The same with kP parts (1, 2 or 3) of each split operand. hi and lo may be
 // one accumulator: then every term goes to it, the smallest first. Two parts: A B in
 // 1 + 1 MMAs (one exact operand) or the three terms a1 b1, a1 b2, a2 b1 (both
 // split): each split operand off by at most 2^-16 relative (three parts:
-// exact), and a2 b2 (<= 2^-16 relative) left out.
+// exact), and a2 b2 (<= 2^-16 relative) left out. One part: one MMA into hi,
+// each split operand rounded to bf16 (2^-9 relative).
 template <int kP>
 __device__ __forceinline__ void Mma1xP(float (&hi)[4], float (&lo)[4], const uint32_t (&a)[4],
                                        const uint32_t (&b)[kP][2]) {
   if constexpr (kP == 3) {
     Mma1x3(hi, lo, a, b);
+  } else if constexpr (kP == 1) {
+    Mma(hi, a, b[0][0], b[0][1]);
   } else {
     Mma(lo, a, b[1][0], b[1][1]);
     Mma(hi, a, b[0][0], b[0][1]);
@@ -386,6 +401,8 @@ __device__ __forceinline__ void MmaPx1(float (&hi)[4], float (&lo)[4], const uin
                                        uint32_t b0, uint32_t b1) {
   if constexpr (kP == 3) {
     Mma3x1(hi, lo, a, b0, b1);
+  } else if constexpr (kP == 1) {
+    Mma(hi, a[0], b0, b1);
   } else {
     Mma(lo, a[1], b0, b1);
     Mma(hi, a[0], b0, b1);
@@ -396,6 +413,8 @@ __device__ __forceinline__ void MmaPxP(float (&hi)[4], float (&lo)[4], const uin
                                        const uint32_t (&b)[kP][2]) {
   if constexpr (kP == 3) {
     Mma3x3(hi, lo, a, b);
+  } else if constexpr (kP == 1) {
+    Mma(hi, a[0], b[0][0], b[0][1]);
   } else {
     Mma(lo, a[0], b[1][0], b[1][1]);
     Mma(lo, a[1], b[0][0], b[0][1]);

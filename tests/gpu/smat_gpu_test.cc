@@ -217,7 +217,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       return k.ChunkOutputs(plan, span, t("phi"), t("psi"), t("v"), o("lam"), t("S_in"), &t("ybar"),
                             nullptr);
     });
-    pb.Compare("ChunkOutputs", "ybar", tol, true);
+    pb.Compare("ChunkOutputs", "ybar", TileTol(cs.bf16, tol), true);
     both("TypeReads", [&](SmatKernels& k, const Get& t, const Opt& o) {
       return k.TypeReads(plan, span, t("phi"), t("U"), o("lam"), o("chunk_decay"),
                          o("recent_offset"), o("type"), &t("ybar"), SmatWrite::kAdd, nullptr);
@@ -298,8 +298,9 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
         EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
             << what << ": NormalizedOutputs differs in bits from the three phases";
       }
-      pb.Compare("NormalizedOutputs", "o_fused", cs.bf16 ? kBf16OutTol : tol, true);
-      pb.Compare("NormalizedOutputs", "den_fused", tol, true);
+      pb.Compare("NormalizedOutputs", "o_fused", TileTol(cs.bf16, cs.bf16 ? kBf16OutTol : tol),
+                 true);
+      pb.Compare("NormalizedOutputs", "den_fused", TileTol(cs.bf16, tol), true);
 
       // F2 + F3 + NormalizedOutputs in one walk (ChunkStatesAndOutputs): the
       // CPU runs the three phases from non-negative incoming states; the GPU
@@ -350,8 +351,9 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
               << what << ": two ChunkStatesAndOutputs calls differ";
         }
         pb.Compare("ChunkStatesAndOutputs", "S_in_w", tol, true);
-        pb.Compare("ChunkStatesAndOutputs", "o_w", cs.bf16 ? kBf16OutTol : tol, true);
-        pb.Compare("ChunkStatesAndOutputs", "den_w", tol, true);
+        pb.Compare("ChunkStatesAndOutputs", "o_w", TileTol(cs.bf16, cs.bf16 ? kBf16OutTol : tol),
+                   true);
+        pb.Compare("ChunkStatesAndOutputs", "den_w", TileTol(cs.bf16, tol), true);
       }
     }
     // Backward starts from the CPU's fp32 o on both sides.
@@ -455,9 +457,9 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
           plan, span, t("phi"), t("psi"), t("v"), o("lam"), o("chunk_decay"), t("S_in"), t("gbar"),
           t("D_bar"), &t("phi_bar"), &t("psi_bar"), &t("v_bar"), SmatWrite::kAdd, nullptr);
     });
-    pb.Compare("ChunkOutputsBackward", "phi_bar", tol, true);
-    pb.Compare("ChunkOutputsBackward", "psi_bar", tol, true);
-    pb.Compare("ChunkOutputsBackward", "v_bar", tol, true);
+    pb.Compare("ChunkOutputsBackward", "phi_bar", TileTol(cs.bf16, tol), true);
+    pb.Compare("ChunkOutputsBackward", "psi_bar", TileTol(cs.bf16, tol), true);
+    pb.Compare("ChunkOutputsBackward", "v_bar", TileTol(cs.bf16, tol), true);
     // Written (=) rather than added to: from NaN-poisoned outputs, so every
     // element the GPU leaves unwritten fails the comparison.
     pb.Out("phi_bar_set", {b, L, H, r});
@@ -469,9 +471,9 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
                                     &t("phi_bar_set"), &t("psi_bar_set"), &t("v_bar_set"),
                                     SmatWrite::kAssign, nullptr);
     });
-    pb.Compare("ChunkOutputsBackward (=)", "phi_bar_set", tol, true);
-    pb.Compare("ChunkOutputsBackward (=)", "psi_bar_set", tol, true);
-    pb.Compare("ChunkOutputsBackward (=)", "v_bar_set", tol, true);
+    pb.Compare("ChunkOutputsBackward (=)", "phi_bar_set", TileTol(cs.bf16, tol), true);
+    pb.Compare("ChunkOutputsBackward (=)", "psi_bar_set", TileTol(cs.bf16, tol), true);
+    pb.Compare("ChunkOutputsBackward (=)", "v_bar_set", TileTol(cs.bf16, tol), true);
     if (gated) {
       pb.Out("logg_bar", {b, L, H});
       pb.Out("span_sum", {b, H});
