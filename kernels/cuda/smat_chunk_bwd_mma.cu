@@ -486,19 +486,11 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const voi
                                                 float* phi_bar, float* psi_bar, float* v_bar,
                                                 bool assign, cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
-  const int parts = SmatBf16SplitParts();
   auto launch = [&](auto gated, auto write) {
-    constexpr bool kGated = decltype(gated)::value, kAssign = decltype(write)::value;
-    if (parts == 3) {
-      return LaunchGated<kGated, kAssign, 3>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
-                                             phi_bar, psi_bar, v_bar, stream);
-    }
-    if (parts == 2) {
-      return LaunchGated<kGated, kAssign, 2>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
-                                             phi_bar, psi_bar, v_bar, stream);
-    }
-    return LaunchGated<kGated, kAssign, 1>(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
-                                           phi_bar, psi_bar, v_bar, stream);
+    return mma_tiles::WithSplitParts(SmatBf16SplitParts(), [&](auto parts) {
+      return LaunchGated<decltype(gated)::value, decltype(write)::value, decltype(parts)::value>(
+          d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, stream);
+    });
   };
   using Yes = std::true_type;
   using No = std::false_type;

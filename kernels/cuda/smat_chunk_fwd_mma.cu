@@ -156,10 +156,9 @@ template <bool kGated, bool kNorm, bool kFull>
 cudaError_t LaunchShaped(const SmatCudaDims& d, bool vec, const void* phi, const void* psi,
                          const void* v, const float* lam, const float* S_in, const Outputs& out,
                          cudaStream_t stream) {
-  const int parts = SmatBf16SplitParts();
-  auto kernel = parts == 3   ? ChunkForwardFusedKernel<kGated, kNorm, kFull, 3>
-                : parts == 2 ? ChunkForwardFusedKernel<kGated, kNorm, kFull, 2>
-                             : ChunkForwardFusedKernel<kGated, kNorm, kFull, 1>;
+  auto kernel = mma_tiles::WithSplitParts(SmatBf16SplitParts(), [](auto parts) {
+    return ChunkForwardFusedKernel<kGated, kNorm, kFull, decltype(parts)::value>;
+  });
   constexpr int kBytes = kNorm ? kSmemNormBytes : kSmemBytes;
   const cudaError_t err = AllowSharedMemory(kernel, kBytes);
   if (err != cudaSuccess) return err;

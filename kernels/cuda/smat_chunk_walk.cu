@@ -496,17 +496,13 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const vo
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
   const bool full = vec && d.r == kW && d.dv == kW;
-  const int parts = SmatBf16SplitParts();
-  auto launch = [&](auto full_c, auto parts_c) {
-    return LaunchWalk<decltype(full_c)::value, decltype(parts_c)::value>(
-        d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out, reads_ready, stream);
+  auto launch = [&](auto full_c) {
+    return mma_tiles::WithSplitParts(SmatBf16SplitParts(), [&](auto parts) {
+      return LaunchWalk<decltype(full_c)::value, decltype(parts)::value>(
+          d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out, reads_ready, stream);
+    });
   };
-  auto with_parts = [&](auto full_c) {
-    if (parts == 3) return launch(full_c, std::integral_constant<int, 3>());
-    if (parts == 2) return launch(full_c, std::integral_constant<int, 2>());
-    return launch(full_c, std::integral_constant<int, 1>());
-  };
-  return full ? with_parts(std::true_type()) : with_parts(std::false_type());
+  return full ? launch(std::true_type()) : launch(std::false_type());
 }
 
 }  // namespace smat

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace smat {
 namespace mma_tiles {
@@ -31,6 +32,15 @@ inline cudaError_t AllowSharedMemory(Kernel kernel, int bytes) {
   if (err != cudaSuccess) return err;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                               cudaSharedmemCarveoutMaxShared);
+}
+
+// f(std::integral_constant<int, kP>()) for parts = kP (3, 2, else 1): how a
+// launcher turns SmatBf16SplitParts() into the kernels' kP.
+template <typename F>
+inline auto WithSplitParts(int parts, F&& f) {
+  if (parts == 3) return f(std::integral_constant<int, 3>());
+  if (parts == 2) return f(std::integral_constant<int, 2>());
+  return f(std::integral_constant<int, 1>());
 }
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
