@@ -209,32 +209,38 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
         "smat: SmatBackward needs the outputs of SmatForward on the same inputs");
   }
 
-  // The division's Jacobian (Appendix E) and, from the gbar it gives, the
-  // chunks' state gradients (eq. 19) in one pass.
+  // The division's Jacobian (Appendix E), the chunks' state gradients
+  // (eq. 19), their suffix scan and the chunk tiles: in one call where the
+  // backend has one, else four phases. The tiles cover every token, so they
+  // write the three gradients (no zeroing before, nothing read back) and the
+  // long-range branch adds to them.
   SMAT_ASSIGN_OR_RETURN(Tensor gbar, Alloc(backend, {d.batch, d.L, d.H, d.p}));
   Tensor dlam_row;
   if (gated) {
     SMAT_ASSIGN_OR_RETURN(dlam_row, Alloc(backend, {d.batch, d.L, d.H}));
   }
-  SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->NormalizeBackwardStates(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi,
-                                                  sv.lam, &gbar, gated ? &dlam_row : nullptr,
-                                                  &S_in_bar, stream));
   *grads = SmatGradients();
   SMAT_ASSIGN_OR_RETURN(grads->phi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->psi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->v, Alloc(backend, {d.batch, d.L, d.H, d.dv}));
-
-  // Causal branch, eq. 19: the suffix scan of the state gradients, the tiles.
-  // The tiles cover every token, so they write the three gradients (no
-  // zeroing before, nothing read back) and the long-range branch adds to them.
-  SMAT_ASSIGN_OR_RETURN(Tensor D_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
-  SMAT_ASSIGN_OR_RETURN(Tensor state_grad, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
-  SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, sv.chunk_decay, Tensor(),
-                                            &D_bar, &state_grad, stream));
-  SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(plan, span, in.phi, in.psi, in.v, sv.lam,
-                                               sv.chunk_decay, sv.S_in, gbar, D_bar, &grads->phi,
-                                               &grads->psi, &grads->v, SmatWrite::kAssign, stream));
+  SMAT_ASSIGN_OR_RETURN(
+      const bool fused,
+      k->ChunkBackward(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi, in.psi, in.v, sv.lam,
+                       sv.chunk_decay, sv.S_in, &gbar, gated ? &dlam_row : nullptr, &grads->phi,
+                       &grads->psi, &grads->v, stream));
+  if (!fused) {
+    SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+    SMAT_RETURN_IF_ERROR(k->NormalizeBackwardStates(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi,
+                                                    sv.lam, &gbar, gated ? &dlam_row : nullptr,
+                                                    &S_in_bar, stream));
+    SMAT_ASSIGN_OR_RETURN(Tensor D_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor state_grad, Alloc(backend, {d.batch, 2, d.H, d.r, d.p}));
+    SMAT_RETURN_IF_ERROR(k->ChunkScanBackward(plan, span, S_in_bar, sv.chunk_decay, Tensor(),
+                                              &D_bar, &state_grad, stream));
+    SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(
+        plan, span, in.phi, in.psi, in.v, sv.lam, sv.chunk_decay, sv.S_in, gbar, D_bar, &grads->phi,
+        &grads->psi, &grads->v, SmatWrite::kAssign, stream));
+  }
 
   // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar (U_bar itself
   // where C is the identity), gather to tokens (nothing to carry without

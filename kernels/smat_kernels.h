@@ -411,6 +411,36 @@ class SmatKernels {
                                             Tensor* v_bar,              // [batch, L, H, dv] (+=)
                                             SmatWrite write, Stream* stream) = 0;
 
+  // B1 + B5 + B6 + B7 in one call, where a backend has a path that writes
+  //   neither S_in_bar nor D_bar in full: gbar and dlam_row (where not null)
+  //   as NormalizeBackwardStates writes them, then phi_bar, psi_bar and v_bar
+  //   written (SmatWrite::kAssign) as ChunkOutputsBackward writes them from
+  //   the D_bar of ChunkScanBackward with incoming_grad zero. Returns false,
+  //   having written nothing, where the backend has no such path for these
+  //   inputs: the composer then runs the four phases. The results agree with
+  //   the phases' within their tolerances (the state gradients are summed in
+  //   another order) and repeat bit for bit.
+  virtual absl::StatusOr<bool> ChunkBackward(
+      const SmatPlan& plan, const SmatSpan& span,
+      const Tensor& d_o,  // [batch, L, H, dv]
+      const Tensor& o,    // [batch, L, H, dv]
+      const Tensor& den,  // [batch, L, H]
+      float eps,
+      const Tensor& phi,          // [batch, L, H, r]
+      const Tensor& psi,          // [batch, L, H, r]
+      const Tensor& v,            // [batch, L, H, dv]
+      const Tensor& lam,          // [batch, L, H] or undefined
+      const Tensor& chunk_decay,  // [batch, Lc, H] or undefined
+      const Tensor& S_in,         // [batch, Lc, H, r, p]
+      Tensor* gbar,               // [batch, L, H, p]
+      Tensor* dlam_row,           // [batch, L, H] or null
+      Tensor* phi_bar,            // [batch, L, H, r] (=)
+      Tensor* psi_bar,            // [batch, L, H, r] (=)
+      Tensor* v_bar,              // [batch, L, H, dv] (=)
+      Stream* stream) {
+    return false;
+  }
+
   // B8. Gate gradient. Every mask weight is exp(Lambda_i - Lambda_j), so
   //   dL/dLambda_t = (sum over t's row) - (sum over t's column)
   //                = dlam_row_t - psi_t . psi_bar_t

@@ -383,18 +383,24 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     SMAT_ASSIGN_OR_RETURN(Tensor logg_bar, buf.Zeros({B, T, H}));
     SMAT_ASSIGN_OR_RETURN(Tensor span_sum, buf.Zeros({B, H}));
     std::vector<Phase> bwd;
-    // The order of SmatBackward (kernels/smat.cc): gbar and the state
-    // gradients in one pass, then the chunk tiles write the gradients and the
-    // long-range phases add to them.
-    bwd.push_back({"NormalizeBackwardStates",
-                   N * (dv * (4 + es) + 8 + p * 4 + 4 + r * es) + gate_bytes + NC * W * 4,
-                   4 * N * dv + 2 * N * W, [&] {
-                     return k->NormalizeBackwardStates(plan, span, d_o, o, den, eps, phi, lam,
-                                                       &gbar, cfg.gated ? &dlam_row : nullptr,
-                                                       &S_in_bar, nullptr);
-                   }});
-    // The same two steps as separate phases, timed for comparison, not part
-    // of the backward.
+    // The order of SmatBackward (kernels/smat.cc): gbar, the state gradients,
+    // their scan and the chunk tiles in one call where the backend has one
+    // (ChunkBackward), else as the phases below; then the long-range phases
+    // add to the gradients the tiles wrote.
+    auto chunk_backward = [&]() -> absl::StatusOr<bool> {
+      return k->ChunkBackward(plan, span, d_o, o, den, eps, phi, psi, v, lam, cd, S_in, &gbar,
+                              cfg.gated ? &dlam_row : nullptr, &phi_bar, &psi_bar, &v_bar, nullptr);
+    };
+    SMAT_ASSIGN_OR_RETURN(const bool fused_backward, chunk_backward());
+    std::vector<Phase> four;
+    four.push_back({"NormalizeBackwardStates",
+                    N * (dv * (4 + es) + 8 + p * 4 + 4 + r * es) + gate_bytes + NC * W * 4,
+                    4 * N * dv + 2 * N * W, [&] {
+                      return k->NormalizeBackwardStates(plan, span, d_o, o, den, eps, phi, lam,
+                                                        &gbar, cfg.gated ? &dlam_row : nullptr,
+                                                        &S_in_bar, nullptr);
+                    }});
+    // The same as two phases, timed for comparison, not part of the backward.
     std::vector<Phase> two;
     two.push_back({"NormalizeBackward", N * (dv * (4 + es) + 8 + p * 4 + 4), 4 * N * dv, [&] {
                      return k->NormalizeBackward(d_o, o, den, eps, &gbar,
@@ -403,17 +409,30 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     two.push_back(
         {"ChunkStateGradients", N * (r * es + p * 4) + gate_bytes + NC * W * 4, 2 * N * W,
          [&] { return k->ChunkStateGradients(plan, span, phi, gbar, lam, &S_in_bar, nullptr); }});
-    bwd.push_back({"ChunkScanBackward", NC * W * 8, 2 * NC * W, [&] {
-                     return k->ChunkScanBackward(plan, span, S_in_bar, cd, Tensor(), &D_bar,
-                                                 &state_grad, nullptr);
-                   }});
-    bwd.push_back({"ChunkOutputsBackward",
-                   N * ((2 * r + dv) * es + p * 4 + (2 * r + dv) * 4) + gate_bytes + NC * W * 8,
-                   2 * N * c * (r + p) + 6 * N * W, [&] {
-                     return k->ChunkOutputsBackward(plan, span, phi, psi, v, lam, cd, S_in, gbar,
-                                                    D_bar, &phi_bar, &psi_bar, &v_bar,
-                                                    SmatWrite::kAssign, nullptr);
-                   }});
+    four.push_back({"ChunkScanBackward", NC * W * 8, 2 * NC * W, [&] {
+                      return k->ChunkScanBackward(plan, span, S_in_bar, cd, Tensor(), &D_bar,
+                                                  &state_grad, nullptr);
+                    }});
+    const double b7_bytes =
+        N * ((2 * r + dv) * es + p * 4 + (2 * r + dv) * 4) + gate_bytes + NC * W * 8;
+    const double b7_flops = 2 * N * c * (r + p) + 6 * N * W;
+    four.push_back({"ChunkOutputsBackward", b7_bytes, b7_flops, [&] {
+                      return k->ChunkOutputsBackward(plan, span, phi, psi, v, lam, cd, S_in, gbar,
+                                                     D_bar, &phi_bar, &psi_bar, &v_bar,
+                                                     SmatWrite::kAssign, nullptr);
+                    }});
+    if (fused_backward) {
+      // Its bytes: the first pass's (gbar, D_bar's local part) and B7's.
+      bwd.push_back({"ChunkBackward",
+                     N * (dv * (4 + es) + 8 + p * 4 + 4 + r * es) + NC * W * 4 + b7_bytes,
+                     4 * N * dv + 2 * N * W + b7_flops, [&]() -> absl::Status {
+                       SMAT_ASSIGN_OR_RETURN(const bool ran, chunk_backward());
+                       if (!ran) return absl::InternalError("ChunkBackward did not run");
+                       return absl::OkStatus();
+                     }});
+    } else {
+      bwd.insert(bwd.end(), four.begin(), four.end());
+    }
     if (long_range) {
       bwd.push_back(
           {"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8, 4 * nr * W, [&] {
@@ -445,6 +464,12 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     double two_total = 0;
     SMAT_RETURN_IF_ERROR(TimeChain(gpu, two, warmup, reps, &two_ms, &two_total));
     PrintTable("state gradients in 2 phases", two, two_ms, two_total, ceil);
+    if (fused_backward) {
+      std::vector<double> four_ms;
+      double four_total = 0;
+      SMAT_RETURN_IF_ERROR(TimeChain(gpu, four, warmup, reps, &four_ms, &four_total));
+      PrintTable("ChunkBackward as its phases", four, four_ms, four_total, ceil);
+    }
   }
   std::printf("SUMMARY d=%d %s %s T=%lld: forward %.3f ms", d, DTypeName(cfg.dtype),
               cfg.gated ? "gated" : "ungated", static_cast<long long>(T), fwd_op);

@@ -335,6 +335,12 @@ bool SmatUseFastChunkTiles(const SmatCudaDims& d) {
   return kFastTilesByDefault;
 }
 
+bool SmatChunkBackwardRunsFused(const SmatCudaDims& d) {
+  // LaunchSmatChunkOutputsBackward's way down to the fused kernel.
+  return SmatUseFastChunkTiles(d) && SmatUseMmaChunkTiles(d, /*backward=*/true) &&
+         SmatChunkBackwardFusedFits(d);
+}
+
 int SmatChunkTileRows(const SmatCudaDims& d, int64_t smem_limit, bool backward_keys) {
   for (int tile : {64, 32, 16}) {
     int64_t need = 0;

@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                              const float* __restrict__ cd, const float* __restrict__ S_in,
                              const float* __restrict__ gbar, const float* __restrict__ D_bar,
                              float* __restrict__ phi_bar, float* __restrict__ psi_bar,
-                             float* __restrict__ v_bar) {
+                             float* __restrict__ v_bar, SmatDBarCarry dc) {
   __nv_bfloat16* tiles = SmemTiles();
   float* gcol = SmemTokens<kP>();
   float* lam_s = gcol + kC;
@@ -349,6 +349,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int r = wd.r(), dv = wd.dv(), p = wd.p();
   if (kFull) vec_in = true;
   const int64_t crow = ChunkRow(d, b, k, h);
+  // D_bar = Dk + dscale Dc where it comes in two pieces (SmatDBarCarry);
+  // found where it is read, not held across the causal sums (registers).
+  auto carried = [&](const float** Dc, float* dscale) {
+    *Dc = nullptr;
+    *dscale = 1.f;
+    if (dc.carry == nullptr) return;
+    const int runs = dc.runs.seg_d + dc.runs.seg_r;
+    *Dc = dc.carry + (static_cast<int64_t>(b * d.H + h) * runs + cuda_detail::RunOf(dc.runs, k)) *
+                         static_cast<int64_t>(r) * p;
+    if (dc.scale != nullptr) *dscale = __ldg(&dc.scale[crow]);
+  };
 
   // ---- staging ----
   const int64_t tok = TokenRow(d, b, c0, h);
@@ -395,7 +406,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (tid < 2 * kW) {
       const float* M = (tid < kW ? S_in : D_bar) + crow * static_cast<int64_t>(r) * p;
       const int n = tid & (kW - 1);
-      wk[kC + tid] = n < r ? __ldg(&M[n * p + dv]) : 0.f;
+      float x = n < r ? __ldg(&M[n * p + dv]) : 0.f;
+      const float* Dc;
+      float dscale;
+      carried(&Dc, &dscale);
+      if (tid >= kW && Dc != nullptr && n < r) x = fmaf(dscale, __ldg(&Dc[n * p + dv]), x);
+      wk[kC + tid] = x;
     }
   }
   if (vec_in) CpAsyncWaitAll();
@@ -438,7 +454,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* const side = reinterpret_cast<float*>(tiles + kPhi * kTile);
   static_assert(kW * (kW + 1) * 4 <= kTile * 2, "S_in or D_bar fits phi's tile");
   __syncthreads();
-  StageSide(Dk, r * p, side);
+  {
+    const float* Dc;
+    float dscale;
+    carried(&Dc, &dscale);
+    StageSide(Dk, r * p, side, Dc, dscale);
+  }
   __syncthreads();
   SideTerms<Side::kKeyPsi>(bk, d, b, h, c0, w, side, psi_bar);
   SideTerms<Side::kKeyV>(bk, d, b, h, c0, w, side, v_bar);
@@ -452,7 +473,7 @@ template <bool kGated, bool kAssign, int kP>
 cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
                         const float* lam, const float* chunk_decay, const float* S_in,
                         const float* gbar, const float* D_bar, float* phi_bar, float* psi_bar,
-                        float* v_bar, cudaStream_t stream) {
+                        float* v_bar, const SmatDBarCarry& dc, cudaStream_t stream) {
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
   auto aligned8 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 7) == 0; };
@@ -468,7 +489,7 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
   kernel<<<grid, kThreads, kSmemBytes<kP>, stream>>>(
       d, vec, pairs_r, pairs_v, static_cast<const __nv_bfloat16*>(phi),
       static_cast<const __nv_bfloat16*>(psi), static_cast<const __nv_bfloat16*>(v), lam,
-      chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar);
+      chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc);
   return cudaGetLastError();
 }
 
@@ -484,12 +505,14 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const voi
                                                 const float* chunk_decay, const float* S_in,
                                                 const float* gbar, const float* D_bar,
                                                 float* phi_bar, float* psi_bar, float* v_bar,
-                                                bool assign, cudaStream_t stream) {
+                                                bool assign, cudaStream_t stream,
+                                                const SmatDBarCarry* carry) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  const SmatDBarCarry dc = carry != nullptr ? *carry : SmatDBarCarry();
   auto launch = [&](auto gated, auto write) {
     return mma_tiles::WithSplitParts(SmatBf16SplitParts(), [&](auto parts) {
       return LaunchGated<decltype(gated)::value, decltype(write)::value, decltype(parts)::value>(
-          d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, stream);
+          d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc, stream);
     });
   };
   using Yes = std::true_type;

@@ -177,13 +177,31 @@ enum class Side { kQuery, kKeyPsi, kKeyV };
 // both are 16-byte aligned: one coalesced pass per block, where every warp
 // loading its columns' B fragments from global memory touched 4-8 cache lines
 // per load.
-__device__ __forceinline__ void StageSide(const float* __restrict__ from, int n, float* to) {
-  if (n % 4 == 0 && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
+// With `carry` (not null): from + scale carry, element by element (D_bar
+// from its two pieces, SmatDBarCarry).
+__device__ __forceinline__ void StageSide(const float* __restrict__ from, int n, float* to,
+                                          const float* __restrict__ carry = nullptr,
+                                          float scale = 1.f) {
+  const bool vec = n % 4 == 0 && (reinterpret_cast<uintptr_t>(from) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(carry) & 15) == 0;
+  if (vec) {
     const float4* f4 = reinterpret_cast<const float4*>(from);
+    const float4* c4 = reinterpret_cast<const float4*>(carry);
     float4* t4 = reinterpret_cast<float4*>(to);
-    for (int e = threadIdx.x; e < n / 4; e += kThreads) t4[e] = __ldg(&f4[e]);
+    for (int e = threadIdx.x; e < n / 4; e += kThreads) {
+      float4 x = __ldg(&f4[e]);
+      if (carry != nullptr) {
+        const float4 y = __ldg(&c4[e]);
+        x = make_float4(fmaf(scale, y.x, x.x), fmaf(scale, y.y, x.y), fmaf(scale, y.z, x.z),
+                        fmaf(scale, y.w, x.w));
+      }
+      t4[e] = x;
+    }
   } else {
-    for (int e = threadIdx.x; e < n; e += kThreads) to[e] = __ldg(&from[e]);
+    for (int e = threadIdx.x; e < n; e += kThreads) {
+      const float x = __ldg(&from[e]);
+      to[e] = carry != nullptr ? fmaf(scale, __ldg(&carry[e]), x) : x;
+    }
   }
 }
 

@@ -361,6 +361,44 @@ class CudaSmatKernels final : public SmatKernels {
     return ChunkStateGradients(plan, span, phi, *gbar, lam, S_in_bar, stream);
   }
 
+  absl::StatusOr<bool> ChunkBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& d_o,
+                                     const Tensor& o, const Tensor& den, float eps,
+                                     const Tensor& phi, const Tensor& psi, const Tensor& v,
+                                     const Tensor& lam, const Tensor& chunk_decay,
+                                     const Tensor& S_in, Tensor* gbar, Tensor* dlam_row,
+                                     Tensor* phi_bar, Tensor* psi_bar, Tensor* v_bar,
+                                     Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, phi, "phi", d.r));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, o, "o", d.dv));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, d_o, "d_o", d.dv));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    if (dlam_row != nullptr) {
+      SMAT_RETURN_IF_ERROR(args_.CheckOut(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
+    }
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
+    const bool do_bf16 = d_o.dtype() == DType::kBF16, o_bf16 = o.dtype() == DType::kBF16;
+    if (!SmatChunkBackwardFits(d, d_o.raw(), do_bf16, o.raw(), o_bf16, phi.raw(), F32(lam),
+                               F32(gbar))) {
+      return false;
+    }
+    CudaScratch scratch(s);
+    SMAT_ASSIGN_OR_RETURN(float* work, scratch.Get<float>(SmatChunkBackwardScratchFloats(d)));
+    SMAT_RETURN_IF_ERROR(
+        CudaStatus(LaunchSmatChunkBackward(d, d_o.raw(), do_bf16, o.raw(), o_bf16, F32(den), eps,
+                                           phi.raw(), psi.raw(), v.raw(), F32(lam),
+                                           F32(chunk_decay), F32(S_in), F32(gbar), F32(dlam_row),
+                                           F32(phi_bar), F32(psi_bar), F32(v_bar), work, s),
+                   "ChunkBackward kernels"));
+    return true;
+  }
+
   absl::Status TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
                                  const Tensor& U, const Tensor& gbar, const Tensor& lam,
                                  const Tensor& chunk_decay, const Tensor& recent_offset,

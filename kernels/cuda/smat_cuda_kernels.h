@@ -319,17 +319,40 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& dims, const void* phi, const
 
 // ---- smat_chunk_bwd_mma.cu ------------------------------------------------------
 
+// How a span's chunks split into runs of consecutive chunks, each summed by
+// one block: the distant chunks [0, N) in seg_d runs, the recent [N, Lc) in
+// seg_r, each of len chunks (the last of each part may hold fewer).
+struct SmatChunkRuns {
+  int N = 0, seg_d = 0, seg_r = 0, len = 0;
+};
+
+// D_bar in two pieces (SmatKernels::ChunkBackward, smat_state_grads.cu): for
+// chunk k of run s of (b, h) (bh = b H + h),
+//   D_bar[k] = local[k] + scale[k] carry[bh, s]
+// local[k] = the suffix sum over the later chunks of the run, as D_bar,
+// carry[bh, s] = D_bar of the run's last chunk ([batch * H, runs, r, p]),
+// scale[k] the decays between ([batch, Lc, H]; null: 1, ungated).
+struct SmatDBarCarry {
+  const float* carry = nullptr;
+  const float* scale = nullptr;
+  SmatChunkRuns runs;
+};
+
 // B7 for bf16 inputs as one tensor-core kernel (phi_bar, psi_bar and v_bar
 // from one staging of the chunk); fits where the fast tiles do, on sm_80 or
 // later with its shared memory. LaunchSmatChunkOutputsBackwardMma uses it then.
+// SmatChunkBackwardRunsFused: whether LaunchSmatChunkOutputsBackward takes it
+// (the fast tiles on tensor cores, as chosen by SMAT_CUDA_CHUNK_TILES).
+// With `carry` (not null) D_bar holds the local part of SmatDBarCarry.
 bool SmatChunkBackwardFusedFits(const SmatCudaDims& dims);
+bool SmatChunkBackwardRunsFused(const SmatCudaDims& dims);
 cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& dims, const void* phi,
-                                                const void* psi, const void* v,
-                                                const float* lam, const float* chunk_decay,
-                                                const float* S_in, const float* gbar,
-                                                const float* D_bar, float* phi_bar,
-                                                float* psi_bar, float* v_bar, bool assign,
-                                                cudaStream_t stream);
+                                                const void* psi, const void* v, const float* lam,
+                                                const float* chunk_decay, const float* S_in,
+                                                const float* gbar, const float* D_bar,
+                                                float* phi_bar, float* psi_bar, float* v_bar,
+                                                bool assign, cudaStream_t stream,
+                                                const SmatDBarCarry* carry = nullptr);
 
 // ---- smat_reads_bf16.cu ---------------------------------------------------------
 
@@ -367,5 +390,24 @@ cudaError_t LaunchSmatNormalizeBackwardStatesFused(const SmatCudaDims& dims, con
                                                    const float* den, float eps, const void* phi,
                                                    const float* lam, float* gbar, float* dlam_row,
                                                    float* S_in_bar, cudaStream_t stream);
+
+// B1 + B5 + B6 + B7 (SmatKernels::ChunkBackward, incoming_grad zero, the
+// gradients written): gbar and dlam_row as above, then phi_bar, psi_bar and
+// v_bar as LaunchSmatChunkOutputsBackwardFused writes them from the D_bar of
+// LaunchSmatChunkScanBackward, without S_in_bar or D_bar in memory: each
+// block of the first kernel walks a run of chunks from its last down, its
+// state gradients summing on in the tensor cores' accumulators, and writes
+// D_bar's local part (SmatDBarCarry); a scan over the runs gives the carries
+// that B7 adds as it stages D_bar. Fits where both fused kernels run.
+// scratch: SmatChunkBackwardScratchFloats(dims) floats.
+bool SmatChunkBackwardFits(const SmatCudaDims& dims, const void* d_o, bool do_bf16, const void* o,
+                           bool o_bf16, const void* phi, const float* lam, const float* gbar);
+int64_t SmatChunkBackwardScratchFloats(const SmatCudaDims& dims);
+cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& dims, const void* d_o, bool do_bf16,
+                                    const void* o, bool o_bf16, const float* den, float eps,
+                                    const void* phi, const void* psi, const void* v,
+                                    const float* lam, const float* chunk_decay, const float* S_in,
+                                    float* gbar, float* dlam_row, float* phi_bar, float* psi_bar,
+                                    float* v_bar, float* scratch, cudaStream_t stream);
 
 }  // namespace smat

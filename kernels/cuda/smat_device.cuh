@@ -48,6 +48,22 @@ __device__ __forceinline__ int64_t ChunkRow(const SmatCudaDims& d, int b, int64_
   return (static_cast<int64_t>(b) * d.Lc + k) * d.H + h;
 }
 
+// Chunks [*k0, *k1) of run s (SmatChunkRuns; empty past the part's end).
+__device__ __forceinline__ void RunChunks(const SmatChunkRuns& rs, int Lc, int s, int* k0,
+                                          int* k1) {
+  if (s < rs.seg_d) {
+    *k0 = s * rs.len;
+    *k1 = min(rs.N, *k0 + rs.len);
+  } else {
+    *k0 = rs.N + (s - rs.seg_d) * rs.len;
+    *k1 = min(Lc, *k0 + rs.len);
+  }
+}
+// The run that holds chunk k.
+__device__ __forceinline__ int RunOf(const SmatChunkRuns& rs, int64_t k) {
+  return k < rs.N ? static_cast<int>(k / rs.len) : rs.seg_d + static_cast<int>((k - rs.N) / rs.len);
+}
+
 // Decay weight of local token i of (b, h); see SmatTokenWeights.
 __device__ __forceinline__ float TokenWeight(const SmatCudaDims& d, const SmatTokenWeights& w,
                                              int b, int h, int64_t i) {

@@ -96,6 +96,30 @@ struct Warp {
     }
   }
 
+  // The correction terms added to the leading ones, and zeroed: a tile that
+  // sums on over several token sets (the runs of smat_state_grads.cu) holds
+  // one accumulator between them.
+  __device__ __forceinline__ void Fold() {
+#pragma unroll
+    for (int j = 0; j < 5; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        acc[j][q] += cor[j][q];
+        cor[j][q] = 0.f;
+      }
+  }
+
+  // The sum so far times e (both accumulators).
+  __device__ __forceinline__ void Scale(float e) {
+#pragma unroll
+    for (int j = 0; j < 5; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        acc[j][q] *= e;
+        cor[j][q] *= e;
+      }
+  }
+
   // The r x p result to dst (row-major, ld p) through os (r p floats of
   // shared memory no warp reads any more), as whole 16-byte pieces where dst
   // allows; every thread of the block calls it.

@@ -38,8 +38,28 @@
 // column dv of row u by lane u (one division per lane for the eight rows).
 // Row by row (a dependent shuffle chain each, and every lane dividing for
 // column dv) it took 1.66 and 1.71 ms.
+//
+// The same pass as runs of chunks (SmatKernels::ChunkBackward,
+// LaunchSmatChunkBackward): B6's suffix scan of S_in_bar and B7 need
+// D_bar[k] = Sigma[k + 1], Sigma[k] = S_in_bar[k] + e_k Sigma[k + 1]
+// (e_k = exp(chunk_decay[k]); ungated 1). A block of
+// NormalizeBackwardRunsKernel walks a run of consecutive chunks from its last
+// down and keeps summing into the same tensor-core accumulators, scaled by
+// e_k (gated) before chunk k's products, so that what they hold when chunk k
+// is reached is the run's own part of D_bar[k]: written then, in place of
+// S_in_bar[k]. RunCarriesKernel scans the runs' totals (about 200 per head at
+// the benchmark's shape) into what each run gets from the runs after it, and
+// B7 adds that, times the decays between, as it stages D_bar (SmatDBarCarry).
+// Neither S_in_bar nor the whole D_bar is written or read back, and
+// ChunkScanBackward does not run. The accumulators fold their correction
+// terms in after each chunk (outer_tile::Warp::Fold), the rows are formed
+// four at a time (registers: the accumulators stay live across the staging),
+// and the sums differ from the phases' by fp32 roundings. Speed: see
+// LaunchSmatChunkBackward's note in docs/PERFORMANCE.md (thirteenth pass):
+// ChunkBackward 6.44 ms against 6.55 ms for the four phases at d = 2.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/smat_device.cuh"
@@ -62,7 +82,8 @@ constexpr int kW = 64;            // widest r
 constexpr int kMaxDv = 64;        // widest dv: one pair per lane
 using outer_tile::kLd;            // bf16 row pitch of the staged planes
 using outer_tile::kPlane;         // bf16 elements of one staged plane
-constexpr int kRowBatch = 8;      // rows whose loads a lane issues together
+constexpr int kRowBatchOne = 8;   // rows whose loads a lane issues together (one chunk a block)
+constexpr int kRowBatchRuns = 4;  // the same beside a run's accumulators (registers)
 
 constexpr int kSmemBytes = 4 * kPlane * 2;  // phi, then the parts of w gbar
 
@@ -71,22 +92,18 @@ __device__ __forceinline__ float2 LoadPair(const void* ptr, int64_t pair, bool b
   return static_cast<const float2*>(ptr)[pair];
 }
 
-// grid ChunkGrid(d), kThreads threads, kSmemBytes of shared memory.
-template <bool kGated>
-__global__ void __launch_bounds__(kThreads, 3)
-    NormalizeBackwardStatesKernel(SmatCudaDims d, bool vec_in, const void* __restrict__ d_o,
-                                  bool do_bf16, const void* __restrict__ o, bool o_bf16,
-                                  const float* __restrict__ den, float eps,
-                                  const __nv_bfloat16* __restrict__ phi,
-                                  const float* __restrict__ lam, float* __restrict__ gbar,
-                                  float* __restrict__ dlam_row, float* __restrict__ S_in_bar) {
-  extern __shared__ uint4 smem_u4[];
-  __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem_u4);
-  __nv_bfloat16* Bs = As + kPlane;
+// Chunk k of (b, h) into shared memory: phi's rows into As (cp.async where
+// vec_in: the caller waits), w gbar (w = exp(lam), ungated 1) split into the
+// three planes at Bs; gbar and dlam_row (where not null) written out. Returns
+// the chunk's tokens. Columns dv + 2 .. kLd - 1 of the planes must be zero
+// already (PadPlanes); every row's columns 0 .. dv + 1 are written here.
+template <bool kGated, int kRowBatch = kRowBatchOne>
+__device__ __forceinline__ int StageChunk(
+    const SmatCudaDims& d, bool vec_in, int64_t k, int b, int h, const void* __restrict__ d_o,
+    bool do_bf16, const void* __restrict__ o, bool o_bf16, const float* __restrict__ den, float eps,
+    const __nv_bfloat16* __restrict__ phi, const float* __restrict__ lam, float* __restrict__ gbar,
+    float* __restrict__ dlam_row, __nv_bfloat16* As, __nv_bfloat16* Bs) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const cuda_detail::ChunkBlock blk(d);
-  const int64_t k = blk.k;
-  const int b = blk.b, h = blk.h;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
   const int r = d.r, dv = d.dv, p = d.p, half = dv / 2;
@@ -95,18 +112,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   // ---- A: phi, on its way while gbar is formed ----
   StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in,
                                        As);
-  // ---- B: gbar, written out, and w gbar split (w = exp(lam), ungated 1) ----
-  // Columns dv + 2 .. kLd - 1 of the planes are 0; every row's columns
-  // 0 .. dv + 1 are written below (dv + 1 = p is 0 too).
-  {
-    const int pad = kLd - (dv + 2);
-    const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
-    for (int e = tid; e < kC * pad; e += kThreads) {
-      const int t = e / pad, c = dv + 2 + (e - t * pad);
-#pragma unroll
-      for (int q = 0; q < 3; ++q) Bs[q * kPlane + t * kLd + c] = zero;
-    }
-  }
+  // ---- B: gbar, written out, and w gbar split ----
   // Warp w forms rows w, w + 8, ...; lane j the pair (2 j, 2 j + 1).
   const bool pair_lane = lane < half;
   for (int m0 = warp; m0 < kC; m0 += kWarps * kRowBatch) {
@@ -184,6 +190,40 @@ __global__ void __launch_bounds__(kThreads, 3)
         *reinterpret_cast<uint32_t*>(&Bs[q * kPlane + m * kLd + dv]) = part[q];
     }
   }
+  return ce;
+}
+
+// Columns dv + 2 .. kLd - 1 of the three planes at Bs: zero.
+__device__ __forceinline__ void PadPlanes(int dv, __nv_bfloat16* Bs) {
+  const int pad = kLd - (dv + 2);
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+  for (int e = threadIdx.x; e < kC * pad; e += kThreads) {
+    const int t = e / pad, c = dv + 2 + (e - t * pad);
+#pragma unroll
+    for (int q = 0; q < 3; ++q) Bs[q * kPlane + t * kLd + c] = zero;
+  }
+}
+
+// grid ChunkGrid(d), kThreads threads, kSmemBytes of shared memory.
+template <bool kGated>
+__global__ void __launch_bounds__(kThreads, 3)
+    NormalizeBackwardStatesKernel(SmatCudaDims d, bool vec_in, const void* __restrict__ d_o,
+                                  bool do_bf16, const void* __restrict__ o, bool o_bf16,
+                                  const float* __restrict__ den, float eps,
+                                  const __nv_bfloat16* __restrict__ phi,
+                                  const float* __restrict__ lam, float* __restrict__ gbar,
+                                  float* __restrict__ dlam_row, float* __restrict__ S_in_bar) {
+  extern __shared__ uint4 smem_u4[];
+  __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem_u4);
+  __nv_bfloat16* Bs = As + kPlane;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const cuda_detail::ChunkBlock blk(d);
+  const int64_t k = blk.k;
+  const int b = blk.b, h = blk.h;
+  const int r = d.r, p = d.p;
+  PadPlanes(d.dv, Bs);
+  const int ce = StageChunk<kGated>(d, vec_in, k, b, h, d_o, do_bf16, o, o_bf16, den, eps, phi, lam,
+                                    gbar, dlam_row, As, Bs);
   if (vec_in) CpAsyncWaitAll();
   __syncthreads();
 
@@ -194,6 +234,96 @@ __global__ void __launch_bounds__(kThreads, 3)
   // Out through the phi plane, as whole 16-byte pieces where the matrix allows.
   tile.Store(r, p, reinterpret_cast<float*>(As),
              S_in_bar + ChunkRow(d, b, k, h) * static_cast<int64_t>(r) * p, tid, kThreads);
+}
+
+// grid (batch * H, runs), kThreads threads, kSmemBytes of shared memory
+// (SmatKernels::ChunkBackward): block (bh, s) walks run s's chunks from the
+// last down. With Sigma[k] = S_in_bar[k] + e_k Sigma[k + 1] (e_k =
+// exp(chunk_decay[k]), ungated 1) summed within the run only (Sigma = 0 past
+// its last chunk), local[k] = Sigma[k + 1] is the state gradient the tiles
+// hold when chunk k is reached: written before chunk k's products add to
+// them (scaled by e_k first, gated). scale[k] = the product of e over
+// chunks k + 1 .. of the run (gated only), total[bh, s] = Sigma[first],
+// decay[bh, s] = the product of e over the run (gated only).
+template <bool kGated>
+__global__ void __launch_bounds__(kThreads, 3)
+    NormalizeBackwardRunsKernel(SmatCudaDims d, bool vec_in, SmatChunkRuns rs,
+                                const void* __restrict__ d_o, bool do_bf16,
+                                const void* __restrict__ o, bool o_bf16,
+                                const float* __restrict__ den, float eps,
+                                const __nv_bfloat16* __restrict__ phi,
+                                const float* __restrict__ lam, const float* __restrict__ cd,
+                                float* __restrict__ gbar, float* __restrict__ dlam_row,
+                                float* __restrict__ local, float* __restrict__ scale,
+                                float* __restrict__ total, float* __restrict__ decay) {
+  extern __shared__ uint4 smem_u4[];
+  __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem_u4);
+  __nv_bfloat16* Bs = As + kPlane;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int bh = blockIdx.x, s = blockIdx.y, b = bh / d.H, h = bh - b * d.H;
+  const int r = d.r, p = d.p;
+  const int64_t W = static_cast<int64_t>(r) * p;
+  int k0, k1;
+  cuda_detail::RunChunks(rs, d.Lc, s, &k0, &k1);
+  PadPlanes(d.dv, Bs);
+  outer_tile::Warp<1, 3> tile(lane, warp, As, Bs);
+  float run = 1.f;  // the product of e over the chunks after k
+  for (int k = k1 - 1; k >= k0; --k) {
+    const int64_t crow = ChunkRow(d, b, k, h);
+    // local[k] from the tiles, through the phi plane (the previous chunk's
+    // products are done with it: Store begins with a barrier).
+    tile.Store(r, p, reinterpret_cast<float*>(As), local + crow * W, tid, kThreads);
+    if (kGated && tid == 0) scale[crow] = run;
+    __syncthreads();  // the phi plane is free again
+    const int ce = StageChunk<kGated, kRowBatchRuns>(d, vec_in, k, b, h, d_o, do_bf16, o, o_bf16,
+                                                     den, eps, phi, lam, gbar, dlam_row, As, Bs);
+    if (vec_in) CpAsyncWaitAll();
+    __syncthreads();
+    if (kGated) {
+      const float e = expf(__ldg(&cd[crow]));
+      tile.Scale(e);
+      run *= e;
+    }
+    const int ksteps = (ce + 15) >> 4;
+    for (int ks = 0; ks < ksteps; ++ks) tile.Step(ks);
+    tile.Fold();  // one accumulator across the staging (registers)
+  }
+  const int64_t row = static_cast<int64_t>(bh) * gridDim.y + s;
+  tile.Store(r, p, reinterpret_cast<float*>(As), total + row * W, tid, kThreads);
+  if (kGated && tid == 0) decay[row] = run;
+}
+
+// grid (ceil(r p / 256), batch * H), 256 threads: carry[bh, s] = Sigma past
+// run s within its part (zero past the part's last run), from the runs'
+// totals and decays (NormalizeBackwardRunsKernel), walked from the part's
+// last run down; the loads of kGroup runs issue before their updates.
+__global__ void RunCarriesKernel(SmatCudaDims d, SmatChunkRuns rs, const float* __restrict__ total,
+                                 const float* __restrict__ decay, float* __restrict__ carry) {
+  constexpr int kGroup = 8;
+  const int64_t W = static_cast<int64_t>(d.r) * d.p;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (w >= W) return;
+  const int bh = blockIdx.y, runs = rs.seg_d + rs.seg_r;
+  const int64_t row0 = static_cast<int64_t>(bh) * runs;
+  for (int part = 0; part < 2; ++part) {
+    const int s0 = part == 0 ? 0 : rs.seg_d, s1 = part == 0 ? rs.seg_d : runs;
+    float Y = 0.f;
+    for (int s = s1 - 1; s >= s0; s -= kGroup) {
+      float t[kGroup], e[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        const bool ok = s - g >= s0;
+        t[g] = ok ? total[(row0 + s - g) * W + w] : 0.f;
+        e[g] = ok && decay != nullptr ? decay[row0 + s - g] : 1.f;
+      }
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        if (s - g < s0) break;
+        carry[(row0 + s - g) * W + w] = Y;
+        Y = fmaf(e[g], Y, t[g]);
+      }
+    }
+  }
 }
 
 template <bool kGated>
@@ -209,6 +339,27 @@ cudaError_t Launch(const SmatCudaDims& d, const void* d_o, bool do_bf16, const v
       d, vec, d_o, do_bf16, o, o_bf16, den, eps, static_cast<const __nv_bfloat16*>(phi), lam, gbar,
       dlam_row, S_in_bar);
   return cudaGetLastError();
+}
+
+// The runs of a span's chunks: enough blocks for about kWaves waves of
+// NormalizeBackwardRunsKernel (three blocks per SM), at least kMinRun chunks.
+constexpr int kWaves = 4, kMinRun = 4;
+SmatChunkRuns PlanRuns(const SmatCudaDims& d) {
+  int dev = 0, sms = 1;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    sms = 1;
+  }
+  SmatChunkRuns rs;
+  const int64_t first = d.t0 / d.chunk, n_chunks = d.n / d.chunk;
+  rs.N = static_cast<int>(std::min<int64_t>(d.Lc, std::max<int64_t>(0, n_chunks - first)));
+  const int64_t bh = std::max<int64_t>(1, static_cast<int64_t>(d.batch) * d.H);
+  const int64_t blocks = std::max<int64_t>(1, int64_t{kWaves} * 3 * std::max(1, sms));
+  const int64_t len = std::max<int64_t>(kMinRun, (int64_t{d.Lc} * bh + blocks - 1) / blocks);
+  rs.len = static_cast<int>(std::min<int64_t>(len, std::max(1, d.Lc)));
+  rs.seg_d = (rs.N + rs.len - 1) / rs.len;
+  rs.seg_r = (d.Lc - rs.N + rs.len - 1) / rs.len;
+  return rs;
 }
 
 }  // namespace
@@ -242,6 +393,58 @@ cudaError_t LaunchSmatNormalizeBackwardStatesFused(const SmatCudaDims& d, const 
                                        dlam_row, S_in_bar, stream)
                         : Launch<false>(d, d_o, do_bf16, o, o_bf16, den, eps, phi, lam, gbar,
                                         dlam_row, S_in_bar, stream);
+}
+
+bool SmatChunkBackwardFits(const SmatCudaDims& d, const void* d_o, bool do_bf16, const void* o,
+                           bool o_bf16, const void* phi, const float* lam, const float* gbar) {
+  return SmatNormalizeBackwardStatesFusedFits(d, d_o, do_bf16, o, o_bf16, phi, lam, gbar) &&
+         SmatChunkBackwardRunsFused(d);
+}
+
+int64_t SmatChunkBackwardScratchFloats(const SmatCudaDims& d) {
+  const SmatChunkRuns rs = PlanRuns(d);
+  const int64_t bh = static_cast<int64_t>(d.batch) * d.H, W = static_cast<int64_t>(d.r) * d.p;
+  const int64_t runs = rs.seg_d + rs.seg_r;
+  // local, scale; total, carry, decay.
+  return bh * d.Lc * (W + 1) + bh * runs * (2 * W + 1);
+}
+
+cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool do_bf16,
+                                    const void* o, bool o_bf16, const float* den, float eps,
+                                    const void* phi, const void* psi, const void* v,
+                                    const float* lam, const float* chunk_decay, const float* S_in,
+                                    float* gbar, float* dlam_row, float* phi_bar, float* psi_bar,
+                                    float* v_bar, float* scratch, cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  const SmatChunkRuns rs = PlanRuns(d);
+  const int64_t bh = static_cast<int64_t>(d.batch) * d.H, W = static_cast<int64_t>(d.r) * d.p;
+  const int runs = rs.seg_d + rs.seg_r;
+  float* local = scratch;
+  float* scale = local + bh * d.Lc * W;
+  float* total = scale + bh * d.Lc;
+  float* carry = total + bh * runs * W;
+  float* decay = carry + bh * runs * W;
+  const bool gated = lam != nullptr;
+  const bool vec = d.r % 8 == 0 && fast_tiles::Aligned16(phi);
+  {
+    auto kernel = gated ? NormalizeBackwardRunsKernel<true> : NormalizeBackwardRunsKernel<false>;
+    const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    kernel<<<dim3(static_cast<unsigned>(bh), static_cast<unsigned>(runs)), kThreads, kSmemBytes,
+             stream>>>(d, vec, rs, d_o, do_bf16, o, o_bf16, den, eps,
+                       static_cast<const __nv_bfloat16*>(phi), lam, chunk_decay, gbar, dlam_row,
+                       local, scale, total, decay);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  RunCarriesKernel<<<dim3(static_cast<unsigned>((W + 255) / 256), static_cast<unsigned>(bh)), 256,
+                     0, stream>>>(d, rs, total, gated ? decay : nullptr, carry);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  SmatDBarCarry dc;
+  dc.carry = carry;
+  dc.scale = gated ? scale : nullptr;
+  dc.runs = rs;
+  return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar, local,
+                                             phi_bar, psi_bar, v_bar, /*assign=*/true, stream, &dc);
 }
 
 }  // namespace smat

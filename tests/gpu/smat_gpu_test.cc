@@ -108,7 +108,8 @@ class SmatGpuTest : public GpuTest {};
 TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
   SMAT_ASSERT_OK_AND_ASSIGN(SmatKernels * ck, cpu_->smat());
   SMAT_ASSERT_OK_AND_ASSIGN(SmatKernels * gk, gpu_->smat());
-  int walked_cases = 0;  // cases that ran ChunkStatesAndOutputs' walk
+  int walked_cases = 0;          // cases that ran ChunkStatesAndOutputs' walk
+  int fused_backward_cases = 0;  // cases that ran ChunkBackward's fused path
   for (const Case& cs : Cases()) {
     const ProblemSpec& sp = cs.spec;
     SCOPED_TRACE(CaseName(cs));
@@ -474,6 +475,73 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     pb.Compare("ChunkOutputsBackward (=)", "phi_bar_set", TileTol(cs.bf16, tol), true);
     pb.Compare("ChunkOutputsBackward (=)", "psi_bar_set", TileTol(cs.bf16, tol), true);
     pb.Compare("ChunkOutputsBackward (=)", "v_bar_set", TileTol(cs.bf16, tol), true);
+    // B1 + B5 + B6 + B7 in one call (ChunkBackward): the CPU runs the four
+    // phases (no incoming gradient, the tiles writing); the GPU runs its
+    // fused path where it has one (bf16 inputs on the fused kernels), from
+    // NaN-poisoned outputs, twice for the bits.
+    {
+      const float eps = static_cast<float>(sp.eps);
+      for (const char* name : {"gbar_c", "phi_bar_c", "psi_bar_c", "v_bar_c"}) {
+        const int64_t width = std::strcmp(name, "gbar_c") == 0    ? p
+                              : std::strcmp(name, "v_bar_c") == 0 ? dv
+                                                                  : r;
+        pb.Out(name, {b, L, H, width});
+      }
+      if (gated) pb.Out("dlam_row_c", {b, L, H});
+      Tensor sib = Tensor::Empty({b, Lc, H, r, p}, DType::kF32).value();
+      Tensor dbar = Tensor::Empty({b, Lc, H, r, p}, DType::kF32).value();
+      Tensor sgrad = Tensor::Empty({b, 2, H, r, p}, DType::kF32).value();
+      SMAT_ASSERT_OK(ck->NormalizeBackwardStates(
+          plan, span, pb.C("d_o"), pb.C("o"), pb.C("den"), eps, pb.C("phi"), pb.CU("lam"),
+          &pb.C("gbar_c"), gated ? &pb.C("dlam_row_c") : nullptr, &sib, nullptr));
+      SMAT_ASSERT_OK(ck->ChunkScanBackward(plan, span, sib, pb.CU("chunk_decay"), Tensor(), &dbar,
+                                           &sgrad, nullptr));
+      SMAT_ASSERT_OK(ck->ChunkOutputsBackward(
+          plan, span, pb.C("phi"), pb.C("psi"), pb.C("v"), pb.CU("lam"), pb.CU("chunk_decay"),
+          pb.C("S_in"), pb.C("gbar_c"), dbar, &pb.C("phi_bar_c"), &pb.C("psi_bar_c"),
+          &pb.C("v_bar_c"), SmatWrite::kAssign, nullptr));
+      auto fused = [&](Tensor* gbar, Tensor* dlam, Tensor* phi_bar, Tensor* psi_bar,
+                       Tensor* v_bar) {
+        return gk->ChunkBackward(plan, span, pb.G("d_o"), pb.G("o"), pb.G("den"), eps, pb.G("phi"),
+                                 pb.G("psi"), pb.G("v"), pb.GU("lam"), pb.GU("chunk_decay"),
+                                 pb.G("S_in"), gbar, dlam, phi_bar, psi_bar, v_bar, nullptr);
+      };
+      SMAT_ASSERT_OK_AND_ASSIGN(const bool ran,
+                                fused(&pb.G("gbar_c"), gated ? &pb.G("dlam_row_c") : nullptr,
+                                      &pb.G("phi_bar_c"), &pb.G("psi_bar_c"), &pb.G("v_bar_c")));
+      if (ran) {
+        ++fused_backward_cases;
+        auto empty = [&](const Shape& shape) {
+          return Tensor::Empty(shape, DType::kF32, gpu_->allocator()).value();
+        };
+        Tensor g2 = empty({b, L, H, p}), dl2 = empty({b, L, H}), pb2 = empty({b, L, H, r}),
+               sb2 = empty({b, L, H, r}), vb2 = empty({b, L, H, dv});
+        SMAT_ASSERT_OK_AND_ASSIGN(const bool again,
+                                  fused(&g2, gated ? &dl2 : nullptr, &pb2, &sb2, &vb2));
+        EXPECT_TRUE(again);
+        std::vector<std::tuple<const char*, Tensor*, Tensor*>> pairs = {
+            {"gbar", &pb.G("gbar_c"), &g2},
+            {"phi_bar", &pb.G("phi_bar_c"), &pb2},
+            {"psi_bar", &pb.G("psi_bar_c"), &sb2},
+            {"v_bar", &pb.G("v_bar_c"), &vb2}};
+        if (gated) pairs.emplace_back("dlam_row", &pb.G("dlam_row_c"), &dl2);
+        for (const auto& [what, first, second] : pairs) {
+          const Tensor x = ToHost(*gpu_, *first).value(), y = ToHost(*gpu_, *second).value();
+          EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
+              << what << ": two ChunkBackward calls differ";
+        }
+        pb.Compare("ChunkBackward", "gbar_c", tol, true);
+        if (gated) pb.Compare("ChunkBackward", "dlam_row_c", tol, sp.eps > 0);
+        pb.Compare("ChunkBackward", "phi_bar_c", TileTol(cs.bf16, tol), true);
+        pb.Compare("ChunkBackward", "psi_bar_c", TileTol(cs.bf16, tol), true);
+        pb.Compare("ChunkBackward", "v_bar_c", TileTol(cs.bf16, tol), true);
+      } else {
+        // Nothing written: the poisoned outputs must still be NaN.
+        const Tensor x = ToHost(*gpu_, pb.G("phi_bar_c")).value();
+        EXPECT_TRUE(std::isnan(static_cast<const float*>(x.raw())[0]))
+            << "ChunkBackward returned false but wrote phi_bar";
+      }
+    }
     if (gated) {
       pb.Out("logg_bar", {b, L, H});
       pb.Out("span_sum", {b, H});
@@ -489,6 +557,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
   const char* tiles = std::getenv("SMAT_CUDA_CHUNK_TILES");
   if (tiles == nullptr || *tiles == '\0') {
     EXPECT_GE(walked_cases, 4) << "the walk of ChunkStatesAndOutputs ran on too few cases";
+    EXPECT_GE(fused_backward_cases, 4) << "ChunkBackward's fused path ran on too few cases";
   }
 }
 
