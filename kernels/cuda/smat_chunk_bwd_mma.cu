@@ -37,15 +37,17 @@
 // 32-column halves on two warps computed it twice (B7 5.63-5.68 ->
 // 5.43-5.46 ms at the shape below, 2026-12-01).
 //
-// The side terms (S_in, D_bar) follow, after a block barrier, by column blocks
-// instead (SideTerms): warp w adds 16 columns of all three outputs for 64
-// tokens, so each warp loads and splits a quarter of S_in and D_bar. With the
-// rows' owners computing them, every warp loaded and split all of both: half
-// the kernel's instructions, 7.27 ms against 6.24 ms then. S_in
-// and D_bar reach the warps through phi's tile (StageSide), one coalesced
-// pass each, instead of every warp's scattered fragment loads from global
-// memory: 5.66 -> 5.59 ms, the kernel being bound by L1 throughput (Nsight
-// Compute: 85% of its peak).
+// With one part (kP = 1) the side terms are the row owners' (OwnerSide): S_in
+// and D_bar wait in shared memory as one bf16 plane each (18 KB, 95.5 KB per
+// block, still two per SM), and each warp adds them to its rows' accumulators
+// before its one store, so no pass reads the outputs back. With three parts
+// they follow, after a block barrier, by column blocks instead (SideTerms): warp w adds 16 columns
+// of all three outputs for 64 tokens, so each warp loads and splits a quarter of S_in and D_bar.
+// With the rows' owners computing them, every warp loaded and split all of both: half the kernel's
+// instructions, 7.27 ms against 6.24 ms then. S_in and D_bar reach the warps through phi's tile
+// (StageSide), one coalesced pass each, instead of every warp's scattered fragment loads from
+// global memory: 5.66 -> 5.59 ms, the kernel being bound by L1 throughput (Nsight Compute: 85% of
+// its peak).
 //
 // Exactness (the scheme of smat_chunk_mma.cu): bf16 inputs enter as one part;
 // every fp32 operand (gbar, S_in, D_bar, the score tiles) as three, a product
@@ -166,6 +168,7 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const Smat
         MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
+  if constexpr (kP == 1) OwnerSide<Side::kQuery>(bk, i, hi, lo);
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r(), hi, lo, phi_bar);
 }
 
@@ -252,6 +255,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const Sma
         MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
+  if constexpr (kP == 1) OwnerSide<Side::kKeyPsi>(bk, j, hi, lo);
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r(), hi, lo, psi_bar);
 }
 
@@ -316,6 +320,7 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatC
       }
     }
   }
+  if constexpr (kP == 1) OwnerSide<Side::kKeyV>(bk, j, hi, lo);
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, dv, bk.pairs_v(), hi, lo, v_bar);
 }
 
@@ -414,6 +419,32 @@ __global__ void __launch_bounds__(kThreads, 2)
       wk[kC + tid] = x;
     }
   }
+  if constexpr (kP == 1) {
+    // S_in and D_bar (with its carry) as bf16 planes for OwnerSide: row n <
+    // r, columns k < dv, a column pair per thread and step; zero elsewhere.
+    __nv_bfloat16* const planes =
+        reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(tiles) + kSideOffsetBytes<kP>);
+    const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
+    const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
+    const float* Dc;
+    float dscale;
+    carried(&Dc, &dscale);
+    constexpr int kPairs = kLd / 2;
+    for (int e = tid; e < 2 * kW * kPairs; e += kThreads) {
+      const int q = e / (kW * kPairs), rem = e - q * kW * kPairs, n = rem / kPairs;
+      const int c = 2 * (rem - n * kPairs);
+      float x[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const bool in = n < r && c + u < dv;
+        const int64_t at = in ? static_cast<int64_t>(n) * p + c + u : 0;
+        x[u] = in ? __ldg(&(q == 0 ? Sk : Dk)[at]) : 0.f;
+        if (q == 1 && in && Dc != nullptr) x[u] = fmaf(dscale, __ldg(&Dc[at]), x[u]);
+      }
+      *reinterpret_cast<__nv_bfloat162*>(&planes[q * kSidePlane + n * kLd + c]) =
+          __floats2bfloat162_rn(x[0], x[1]);
+    }
+  }
   if (vec_in) CpAsyncWaitAll();
   __syncthreads();
   if (kGated) {
@@ -448,6 +479,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (qi < bk.nb) QueryRows<kGated, kAssign>(bk, d, b, h, c0, qi, phi_bar);
   if (pj < bk.nb) KeyRowsPsi<kGated, kAssign>(bk, d, b, h, c0, pj, psi_bar);
   if (vj < bk.nb) KeyRowsV<kGated, kAssign>(bk, d, b, h, c0, vj, v_bar);
+  if constexpr (kP == 1) return;  // the owners added the side terms (OwnerSide)
   // The side terms add to rows that other warps' causal sums wrote. Their
   // matrices come through shared memory, into phi's tile, which they do not
   // read: D_bar for the two key sides, then S_in for the query side.

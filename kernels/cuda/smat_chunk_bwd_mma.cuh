@@ -33,8 +33,16 @@ constexpr int kBlocks = kC / 16;  // 16-token blocks of a chunk
 // kP: the bf16 parts of every fp32 operand (1, 2 or 3, SmatBf16SplitParts).
 template <int kP>
 constexpr int kTiles = 3 + kP;
+constexpr int kTokenFloats = 6 * kC + 2 * kW + kBlocks * kBlocks;
+// With one part (kP = 1) S_in and D_bar also wait as bf16 planes [kW][kLd]
+// (columns < dv, rows < r; zero elsewhere) after the per-token arrays, for the
+// side terms of the rows' owners (OwnerSide).
+constexpr int kSidePlane = kW * kLd;  // bf16 elements of one side plane
 template <int kP>
-constexpr int kSmemBytes = kTiles<kP>* kTile * 2 + (6 * kC + 2 * kW + kBlocks * kBlocks) * 4;
+constexpr int kSideOffsetBytes = kTiles<kP>* kTile * 2 + kTokenFloats * 4;
+template <int kP>
+constexpr int kSmemBytes = kSideOffsetBytes<kP> + (kP == 1 ? 2 * kSidePlane * 2 : 0);
+static_assert(kSideOffsetBytes<1> % 16 == 0, "the side planes are 16-byte aligned");
 
 // The block's shared memory: bf16 tiles, then the fp32 per-token arrays.
 __device__ __forceinline__ __nv_bfloat16* SmemTiles() {
@@ -75,6 +83,11 @@ struct Block : mma_tiles::TileWidths<kFull> {
   uint32_t base;  // shared-memory address of the tiles
   __device__ uint32_t Addr(int tile, int row, int col, int off) const {
     return base + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
+  }
+  // The same in side plane q (0: S_in, 1: D_bar; kP = 1 only).
+  __device__ uint32_t SideAddr(int q, int row, int col, int off) const {
+    return base + static_cast<uint32_t>(kSideOffsetBytes<kP>) +
+           2u * static_cast<uint32_t>(q * kSidePlane + row * kLd + col + off);
   }
   // The ldmatrix fragments of gbar's kP planes at (row, col) (kTrans: .trans).
   template <bool kTrans = false>
@@ -333,6 +346,62 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
         }
       }
     }
+  }
+}
+
+// One part (kP = 1): the side term of a row owner's block, rows 16 i ..
+// 16 i + 15 and every column, from the bf16 side planes, summed in lo (which
+// the causal sums of one part leave at zero) and added to hi with the row
+// weights as SideTerms adds it:
+//   query (S_in):  hi += wq_t (sum_{k < dv} gbar_t[k] S[n][k] + gbar_t[dv] S[n][dv])
+//   key psi (D):   hi += w_s (sum_{k < dv} D[n][k] v_s[k] + D[n][dv])
+//   key v (D):     hi += w_s sum_{k < r} psi_s[k] D[k][n]
+// so the outputs are written once, with no pass over them after the causal
+// sums (the column blocks of SideTerms read back what the owners wrote).
+template <Side kSide, bool kFull>
+__device__ __forceinline__ void OwnerSide(const Block<kFull, 1>& bk, int i, float (&hi)[8][4],
+                                          float (&lo)[8][4]) {
+  constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
+  const int width = kKeyV ? bk.dv() : bk.r();
+  const int ksteps = kKeyV ? bk.kr() : bk.kd();
+  const int q = kQuery ? 0 : 1;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    if (ks >= ksteps) continue;
+    uint32_t a[1][4];
+    if (kQuery) {
+      bk.LoadG(a, 16 * i, 16 * ks, bk.off_a);
+    } else {
+      Ldsm4(a[0], bk.Addr(kKeyV ? kPsi : kV, 16 * i, 16 * ks, bk.off_a));
+    }
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (16 * np >= width) continue;
+      uint32_t bp[4];
+      if (kKeyV) {
+        Ldsm4T(bp, bk.SideAddr(q, 16 * ks, 16 * np, bk.off_bt));  // B(k, n) = D[k][n]
+      } else {
+        Ldsm4(bp, bk.SideAddr(q, 16 * np, 16 * ks, bk.off_bn));  // B(k, n) = M[n][k]
+      }
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) Mma(lo[2 * np + h2], a[0], bp[2 * h2], bp[2 * h2 + 1]);
+    }
+  }
+  const float* wrow = kQuery ? bk.wq() : bk.wk();
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = 16 * i + bk.g + 8 * hr;
+    const float wt = wrow[m], gc = kQuery ? bk.gcol()[m] : 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int n = 8 * nt + 2 * bk.tq + e1, e = 2 * hr + e1;
+        const float extra = kQuery ? bk.scol()[n] : kKeyV ? 0.f : bk.dcol()[n];
+        const float side = kQuery ? fmaf(gc, extra, lo[nt][e]) : lo[nt][e] + extra;
+        hi[nt][e] += wt * side;
+        lo[nt][e] = 0.f;
+      }
   }
 }
 

@@ -170,7 +170,8 @@ __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__
 }
 
 // fp32 rows (gbar: width p = dv + 1) in three bf16 planes dst, dst + kPlane,
-// dst + 2 kPlane (x = x1 + x2 + x3); zeros for nt <= t < kC. kWeighted:
+// dst + 2 kPlane (x = x1 + x2 + x3; kParts = 1: one plane, x rounded to
+// bf16); zeros for nt <= t < kC. kWeighted:
 // w[t] x instead (each product rounded to fp32). Column dv goes to the planes
 // (kDenInPlanes) and/or to gcol[t] (kGcol). kThreads threads, 8 to a row:
 // thread i of a row takes the column pairs (2 j, 2 j + 1), j = i, i + 8, ...
@@ -179,7 +180,7 @@ __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__
 // kDenInPlanes) stores 0 there, as the padding is. Element by element, with a
 // division by p and three 2-byte stores each, it took TypeReadsBackward
 // about twice the instructions.
-template <bool kWeighted, bool kDenInPlanes, bool kGcol, int kBatch, int kThreads>
+template <bool kWeighted, bool kDenInPlanes, bool kGcol, int kBatch, int kThreads, int kParts = 3>
 __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
                                                const float* w, int dv, int nt, __nv_bfloat16* dst,
                                                float* gcol) {
@@ -218,7 +219,7 @@ __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, co
         if (c + e >= cols) y[e] = 0.f;
       }
       if (c >= cols) continue;
-      mma_tiles::StoreSplitPair<3>(dst + t * kLd + c, kPlane, y[0], y[1]);
+      mma_tiles::StoreSplitPair<kParts>(dst + t * kLd + c, kPlane, y[0], y[1]);
     }
   }
 }

@@ -49,6 +49,11 @@
 // TypeReadsBackwardKernel (further down) fuses kMatVec with the outer sums
 // of U_bar over the same tokens, gbar staged once for both.
 //
+// SMAT_CUDA_BF16_PARTS=1 (SmatBf16SplitParts, the option the fused chunk
+// tiles take too): M in one bf16 plane (kMP = 1) for kVecMat and kBoth, and
+// in TypeReadsBackwardKernel M and w gbar in one plane each, so that every
+// product is one MMA with fp32 accumulation; kMatVec keeps three.
+//
 // Exactness: the scheme of smat_chunk_mma.cu (the correction terms in an
 // accumulator of their own, smallest first, added to the leading one at the
 // end); w_i times the sum is rounded on its own, as in the other read kernels.
@@ -60,6 +65,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda/smat_device.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
@@ -123,6 +129,7 @@ static_assert(kOffTok % 16 == 0 && OffRows(SmatReadKind::kBoth) % 16 == 0,
 // Columns 80.. are never read.
 // Loads go in two rounds of five pairs per thread, each round's loads issued
 // before its first split.
+template <int kMP = 3>
 __device__ __forceinline__ void StageMatrix(const float* __restrict__ M, int r, int p, int dv,
                                             int cols, __nv_bfloat16* planes, float* mcol) {
   constexpr int kPairs = 40;  // column pairs staged per row
@@ -145,12 +152,16 @@ __device__ __forceinline__ void StageMatrix(const float* __restrict__ M, int r, 
     for (int u = 0; u < kPer; ++u) {
       const int e = threadIdx.x + (round * kPer + u) * kThreads, row = e / kPairs;
       const int c = 2 * (e - row * kPairs);
-      uint32_t p1, p2, p3;
-      mma_tiles::Split3(x[u][0], x[u][1], p1, p2, p3);
-      uint32_t* to = reinterpret_cast<uint32_t*>(planes + row * kLdM + c);
-      to[0] = p1;
-      to[kMPlane / 2] = p2;
-      to[kMPlane] = p3;
+      if constexpr (kMP == 3) {
+        uint32_t p1, p2, p3;
+        mma_tiles::Split3(x[u][0], x[u][1], p1, p2, p3);
+        uint32_t* to = reinterpret_cast<uint32_t*>(planes + row * kLdM + c);
+        to[0] = p1;
+        to[kMPlane / 2] = p2;
+        to[kMPlane] = p3;
+      } else {
+        mma_tiles::StoreSplitPair<kMP>(planes + row * kLdM + c, kMPlane, x[u][0], x[u][1]);
+      }
     }
   }
 }
@@ -166,12 +177,12 @@ __device__ __forceinline__ void StageRowsAsync(const __nv_bfloat16* __restrict__
 // column dv to gcol; zeros for nt <= t < kC. kWeighted: w[t] gbar_t (each
 // product rounded to fp32) instead, column dv in the planes too. kBatch
 // loads in flight per thread.
-template <bool kWeighted, int kBatch>
+template <bool kWeighted, int kBatch, int kParts = 3>
 __device__ __forceinline__ void StageSplitRows(const float* __restrict__ src, const int64_t* rows,
                                                const float* w, int dv, int nt, __nv_bfloat16* dst,
                                                float* gcol) {
-  outer_tile::StageSplitRows<kWeighted, kWeighted, true, kBatch, kThreads>(src, rows, w, dv, nt,
-                                                                           dst, gcol);
+  outer_tile::StageSplitRows<kWeighted, kWeighted, true, kBatch, kThreads, kParts>(src, rows, w, dv,
+                                                                                   nt, dst, gcol);
 }
 
 // Asks L2 for the rows out[rows[t]] (t < nt, `width` floats each) that a
@@ -209,7 +220,7 @@ __device__ __forceinline__ void StageTokens(const cuda_detail::GroupBlock& blk,
 // lane's ldmatrix address in the first) times M's n8 tiles j0 + j < n_tiles,
 // over `ksteps` 16-wide k steps; kTrans: k is M's row (a^T M), else its
 // column (M g).
-template <int kAParts, int kN, bool kTrans>
+template <int kAParts, int kN, bool kTrans, int kMP = 3>
 __device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ksteps, int j0,
                                         int n_tiles, float (&hi)[kN][4], float (&lo)[kN][4]) {
   cuda_detail::ZeroAcc(hi);
@@ -222,10 +233,10 @@ __device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ks
     for (int pp = 0; pp < (kN + 1) / 2; ++pp) {
       const int j = j0 + 2 * pp;  // the pair's first n8 tile
       if (j >= n_tiles) break;
-      uint32_t b[3][4];
+      uint32_t b[kMP][4];
       const int off = kTrans ? 16 * ks * kLdM + 8 * j : 8 * j * kLdM + 16 * ks;
 #pragma unroll
-      for (int q = 0; q < 3; ++q) {
+      for (int q = 0; q < kMP; ++q) {
         if (kTrans) {
           Ldsm4T(b[q], b_addr + 2u * (q * kMPlane + off));
         } else {
@@ -236,13 +247,19 @@ __device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ks
       for (int half = 0; half < 2; ++half) {
         const int jj = 2 * pp + half;
         if (jj >= kN || j0 + jj >= n_tiles) break;
-        const uint32_t bb[3][2] = {{b[0][2 * half], b[0][2 * half + 1]},
-                                   {b[1][2 * half], b[1][2 * half + 1]},
-                                   {b[2][2 * half], b[2][2 * half + 1]}};
-        if constexpr (kAParts == 1) {
-          mma_tiles::Mma1x3(hi[jj], lo[jj], a[0], bb);
+        if constexpr (kMP == 1) {
+          static_assert(kAParts == 1, "one plane of M goes with one part of the tokens");
+          mma_tiles::Mma(hi[jj], a[0], b[0][2 * half], b[0][2 * half + 1]);
+          continue;
         } else {
-          mma_tiles::Mma3x3(hi[jj], lo[jj], a, bb);
+          const uint32_t bb[3][2] = {{b[0][2 * half], b[0][2 * half + 1]},
+                                     {b[1][2 * half], b[1][2 * half + 1]},
+                                     {b[2][2 * half], b[2][2 * half + 1]}};
+          if constexpr (kAParts == 1) {
+            mma_tiles::Mma1x3(hi[jj], lo[jj], a[0], bb);
+          } else {
+            mma_tiles::Mma3x3(hi[jj], lo[jj], a, bb);
+          }
         }
       }
     }
@@ -369,7 +386,7 @@ __device__ __forceinline__ void StoreRowsStaged(const float (&hi)[kN][4], const 
 // kStaged). kFull: r = dv = kW as constants (mma_tiles::TileWidths).
 // kStaged (kVecMat): the rows leave through shared memory (StoreRowsStaged),
 // three blocks per SM instead of four (see Launch for when).
-template <SmatReadKind kRead, bool kFull, bool kStaged>
+template <SmatReadKind kRead, bool kFull, bool kStaged, int kMP>
 __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kStaged ? 3 : 4)
                                             : kRead == SmatReadKind::kBoth ? 3
                                                                            : 2)
@@ -427,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
       StageSplitRows<false, kSplitLoads>(gsrc, rows, w, dv, nt, Ts, gcol);
     }
     // M once per block, while the first tile's rows are on their way.
-    if (j0 == blk.lo) StageMatrix(blk.Matrix(M, lay, r, p), r, p, dv, p, Ms, mcol);
+    if (j0 == blk.lo) StageMatrix<kMP>(blk.Matrix(M, lay, r, p), r, p, dv, p, Ms, mcol);
     CpAsyncWaitAll();
     __syncthreads();
     if (16 * warp >= nt) continue;
@@ -436,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
       const int n_tiles = (p + 7) >> 3;
       for (int j0n = 0; j0n < n_tiles; j0n += kVecMatTiles) {  // 64 registers unstaged
         float hi[kVecMatTiles][4], lo[kVecMatTiles][4];
-        Product<1, kVecMatTiles, true>(a_addr, b_trans, kr, j0n, n_tiles, hi, lo);
+        Product<1, kVecMatTiles, true, kMP>(a_addr, b_trans, kr, j0n, n_tiles, hi, lo);
         if constexpr (kStaged) {
           float* ys = reinterpret_cast<float*>(smem + OffOutputs(kRead)) + 16 * warp * kLdY;
           StoreRowsStaged(hi, lo, 16 * warp, j0n, nt, rows, w, p, assign_p, ys, out_p);
@@ -446,6 +463,7 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
         }
       }
     } else if constexpr (kRead == SmatReadKind::kMatVec) {
+      static_assert(kMP == 3, "gbar's three parts go with M's three planes");
       float hi[8][4], lo[8][4];
       Product<3, 8, false>(a_addr, b_plain, kv, 0, (r + 7) >> 3, hi, lo);
       StoreRows<8, Den::kG>(hi, lo, 16 * warp, 0, nt, rows, w, gcol, mcol, r, false, out_r);
@@ -453,12 +471,12 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
       // Passes of 4 n8 tiles (80 registers at three blocks per SM).
       for (int j0n = 0; 8 * j0n < r; j0n += 4) {
         float hi[4][4], lo[4][4];
-        Product<1, 4, false>(a_addr, b_plain, kv, j0n, (r + 7) >> 3, hi, lo);
+        Product<1, 4, false, kMP>(a_addr, b_plain, kv, j0n, (r + 7) >> 3, hi, lo);
         StoreRows<4, Den::kOnes>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, r, false, out_r);
       }
       for (int j0n = 0; 8 * j0n < dv; j0n += 4) {
         float hi[4][4], lo[4][4];
-        Product<1, 4, true>(a_addr + 2u * kTokPlane, b_trans, kr, j0n, (dv + 7) >> 3, hi, lo);
+        Product<1, 4, true, kMP>(a_addr + 2u * kTokPlane, b_trans, kr, j0n, (dv + 7) >> 3, hi, lo);
         StoreRows<4, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, dv, false, out_v);
       }
     }
@@ -481,11 +499,23 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
 // T = 524288, d = 2, 8 heads: TypeReadsBackward 1.41 ms ungated, 1.45 ms
 // gated with the widths as constants (kFull; 1.61 and 1.68 ms without; 1.60
 // and 2.03 ms in two passes).
-constexpr int kFusedOffRows = kOffTok + 4 * kTokPlane * 2;
-constexpr int kFusedSmemBytes = kFusedOffRows + kC * 8 + 2 * kC * 4;
+// kP = 1 (SMAT_CUDA_BF16_PARTS=1): U and wg in one bf16 plane each (each
+// product one MMA: flash-linear-attention's numerics, as the fused chunk
+// tiles take them), 48 KB, three blocks per SM.
+template <int kP>
+constexpr int kFusedOffMcol = kP* kMPlane * 2;
+template <int kP>
+constexpr int kFusedOffTok = kFusedOffMcol<kP> + kW * 4;
+template <int kP>
+constexpr int kFusedOffRows = kFusedOffTok<kP> + (1 + kP) * kTokPlane * 2;
+template <int kP>
+constexpr int kFusedSmemBytes = kFusedOffRows<kP> + kC * 8 + 2 * kC * 4;
+static_assert(kFusedOffMcol<3> == kOffMcol && kFusedOffTok<3> == kOffTok,
+              "three parts: the layout of the read kernels");
+static_assert(kFusedOffTok<1> % 16 == 0 && kFusedOffRows<1> % 16 == 0, "16-byte aligned");
 
-template <bool kFull>
-__global__ void __launch_bounds__(kThreads, 2)
+template <bool kFull, int kP>
+__global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     TypeReadsBackwardKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
                             const float* __restrict__ U, SmatMatrixLayout lay,
                             const __nv_bfloat16* __restrict__ phi, const float* __restrict__ gbar,
@@ -494,10 +524,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ uint4 smem_u4[];
   char* smem = reinterpret_cast<char*>(smem_u4);
   __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
-  float* mcol = reinterpret_cast<float*>(smem + kOffMcol);
-  __nv_bfloat16* Ph = reinterpret_cast<__nv_bfloat16*>(smem + kOffTok);
-  __nv_bfloat16* Gs = Ph + kTokPlane;  // the three planes of wg
-  int64_t* rows = reinterpret_cast<int64_t*>(smem + kFusedOffRows);
+  float* mcol = reinterpret_cast<float*>(smem + kFusedOffMcol<kP>);
+  __nv_bfloat16* Ph = reinterpret_cast<__nv_bfloat16*>(smem + kFusedOffTok<kP>);
+  __nv_bfloat16* Gs = Ph + kTokPlane;  // the kP planes of wg
+  int64_t* rows = reinterpret_cast<int64_t*>(smem + kFusedOffRows<kP>);
   float* w = reinterpret_cast<float*>(rows + kC);
   float* gcol = w + kC;
   const cuda_detail::GroupBlock blk(groups, d, segments);
@@ -508,8 +538,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Columns no staging writes: phi's r.., wg's p.. .
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
   mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Ph, 1, r, zero);
-  mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Gs, 3, p, zero);
-  outer_tile::Warp<1, 3> tile(lane, warp, Ph, Gs);
+  mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Gs, kP, p, zero);
+  outer_tile::Warp<1, kP> tile(lane, warp, Ph, Gs);
   const uint32_t a_addr = SmemAddr(Gs) + 2u * ((16 * warp + (lane & 15)) * kLdT + (lane >> 4) * 8);
   const uint32_t b_plain =
       SmemAddr(Ms) + 2u * (((lane & 7) + (lane >> 4) * 8) * kLdM + ((lane >> 3) & 1) * 8);
@@ -520,8 +550,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     StageTokens(blk, d, tw, j0, nt, rows, w);
     StageRowsAsync(phi, rows, r, nt, Ph);
     // U_bar's accumulators stay live: fewer loads in flight.
-    StageSplitRows<true, kFusedSplitLoads>(gbar, rows, w, dv, nt, Gs, gcol);
-    if (j0 == blk.lo) StageMatrix(blk.Matrix(U, lay, r, p), r, p, dv, dv, Ms, mcol);
+    StageSplitRows<true, kFusedSplitLoads, kP>(gbar, rows, w, dv, nt, Gs, gcol);
+    if (j0 == blk.lo) StageMatrix<kP>(blk.Matrix(U, lay, r, p), r, p, dv, dv, Ms, mcol);
     CpAsyncWaitAll();
     __syncthreads();
     const int ksteps = (nt + 15) >> 4;
@@ -529,7 +559,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (16 * warp < nt) {
       for (int j0n = 0; j0n < n_tiles; j0n += 4) {
         float hi[4][4], lo[4][4];
-        Product<3, 4, false>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
+        Product<kP, 4, false, kP>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
         StoreRows<4, Den::kG>(hi, lo, 16 * warp, j0n, nt, rows, nullptr, gcol, mcol, r, false,
                               phi_bar);
       }
@@ -541,13 +571,15 @@ __global__ void __launch_bounds__(kThreads, 2)
              blk.Matrix(U_bar, out_lay, r, p, segments, blk.seg), tid, kThreads);
 }
 
-template <SmatReadKind kRead, bool kStaged>
+// kMP: M's planes, 1 where SMAT_CUDA_BF16_PARTS=1 and the tokens are bf16
+// rows (kVecMat, kBoth: one MMA per product), else 3.
+template <SmatReadKind kRead, bool kStaged, int kMP>
 cudaError_t LaunchKernel(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
                          const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                          const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
                          float* out_v, bool assign_p, cudaStream_t stream) {
-  auto kernel = d.r == kW && d.dv == kW ? ReadsBf16Kernel<kRead, true, kStaged>
-                                        : ReadsBf16Kernel<kRead, false, kStaged>;
+  auto kernel = d.r == kW && d.dv == kW ? ReadsBf16Kernel<kRead, true, kStaged, kMP>
+                                        : ReadsBf16Kernel<kRead, false, kStaged, kMP>;
   constexpr int kSmem = SmemBytes(kRead, kStaged);
   const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kSmem);
   if (err != cudaSuccess) return err;
@@ -558,11 +590,11 @@ cudaError_t LaunchKernel(const SmatCudaDims& d, const SmatTokenGroups& groups, i
   return cudaGetLastError();
 }
 
-template <SmatReadKind kRead>
-cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
-                   const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
-                   const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                   float* out_v, bool assign_p, cudaStream_t stream) {
+template <SmatReadKind kRead, int kMP>
+cudaError_t LaunchWith(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                       const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                       const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                       float* out_v, bool assign_p, cudaStream_t stream) {
   if constexpr (kRead == SmatReadKind::kVecMat) {
     // The rows go through shared memory (kStaged) where they are odd-sized
     // and the blocks hold a whole tile of tokens on average: H200, bf16,
@@ -572,12 +604,27 @@ cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int seg
     // per SM, so it keeps four.
     const int64_t blocks = int64_t{groups.num_groups} * segments;
     if (d.p % 2 != 0 && groups.end - groups.begin >= kC * blocks) {
-      return LaunchKernel<kRead, true>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
-                                       assign_p, stream);
+      return LaunchKernel<kRead, true, kMP>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
+                                            out_v, assign_p, stream);
     }
   }
-  return LaunchKernel<kRead, false>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
-                                    assign_p, stream);
+  return LaunchKernel<kRead, false, kMP>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
+                                         out_v, assign_p, stream);
+}
+
+template <SmatReadKind kRead>
+cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
+                   const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
+                   const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
+                   float* out_v, bool assign_p, cudaStream_t stream) {
+  if constexpr (kRead != SmatReadKind::kMatVec) {
+    if (SmatBf16SplitParts() == 1) {
+      return LaunchWith<kRead, 1>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
+                                  assign_p, stream);
+    }
+  }
+  return LaunchWith<kRead, 3>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
+                              assign_p, stream);
 }
 
 }  // namespace
@@ -598,7 +645,7 @@ bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& d, const void* phi) {
   const char* env = std::getenv("SMAT_CUDA_GROUPED");
   if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
   if (!SmatUseFastChunkTiles(d) || !SmatUseMmaGrouped(d, /*reads=*/false)) return false;
-  return SmatDeviceRunsMma(kFusedSmemBytes);
+  return SmatDeviceRunsMma(kFusedSmemBytes<3>);
 }
 
 cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTokenGroups& groups,
@@ -608,15 +655,21 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTok
                                             const SmatMatrixLayout& out_lay, float* U_bar,
                                             float* phi_bar, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  auto kernel =
-      d.r == kW && d.dv == kW ? TypeReadsBackwardKernel<true> : TypeReadsBackwardKernel<false>;
-  const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kFusedSmemBytes);
-  if (err != cudaSuccess) return err;
-  const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
-  kernel<<<grid, kThreads, kFusedSmemBytes, stream>>>(d, groups, segments, U, lay,
-                                                      static_cast<const __nv_bfloat16*>(phi), gbar,
-                                                      w, out_lay, U_bar, phi_bar);
-  return cudaGetLastError();
+  auto launch = [&](auto parts) {
+    constexpr int kP = decltype(parts)::value;
+    auto kernel = d.r == kW && d.dv == kW ? TypeReadsBackwardKernel<true, kP>
+                                          : TypeReadsBackwardKernel<false, kP>;
+    const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kFusedSmemBytes<kP>);
+    if (err != cudaSuccess) return err;
+    const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
+    kernel<<<grid, kThreads, kFusedSmemBytes<kP>, stream>>>(d, groups, segments, U, lay,
+                                                            static_cast<const __nv_bfloat16*>(phi),
+                                                            gbar, w, out_lay, U_bar, phi_bar);
+    return cudaGetLastError();
+  };
+  // Two parts keep three here: the option splits the fused chunk tiles only.
+  if (SmatBf16SplitParts() == 1) return launch(std::integral_constant<int, 1>());
+  return launch(std::integral_constant<int, 3>());
 }
 
 bool SmatUseReadsBf16(const SmatCudaDims& d, SmatReadKind kind, const void* a, const void* v) {
