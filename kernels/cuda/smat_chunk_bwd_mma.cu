@@ -40,14 +40,16 @@
 // With one part (kP = 1) the side terms are the row owners' (OwnerSide): S_in
 // and D_bar wait in shared memory as one bf16 plane each (18 KB, 95.5 KB per
 // block, still two per SM), and each warp adds them to its rows' accumulators
-// before its one store, so no pass reads the outputs back. With three parts
-// they follow, after a block barrier, by column blocks instead (SideTerms): warp w adds 16 columns
-// of all three outputs for 64 tokens, so each warp loads and splits a quarter of S_in and D_bar.
-// With the rows' owners computing them, every warp loaded and split all of both: half the kernel's
-// instructions, 7.27 ms against 6.24 ms then. S_in and D_bar reach the warps through phi's tile
-// (StageSide), one coalesced pass each, instead of every warp's scattered fragment loads from
-// global memory: 5.66 -> 5.59 ms, the kernel being bound by L1 throughput (Nsight Compute: 85% of
-// its peak).
+// before its one store, so no pass reads the outputs back (B7 4.10 -> 2.48 ms
+// with one part at the shape below, 2026-12-01). With three parts they
+// follow, after a block barrier, by column blocks instead (SideTerms): warp w
+// adds 16 columns of all three outputs for 64 tokens, so each warp loads and
+// splits a quarter of S_in and D_bar.
+// With three parts and the rows' owners computing them, every warp loaded and split all of both:
+// half the kernel's instructions, 7.27 ms against 6.24 ms then. S_in and D_bar reach the warps
+// through phi's tile (StageSide), one coalesced pass each, instead of every warp's scattered
+// fragment loads from global memory: 5.66 -> 5.59 ms, the kernel being bound by L1 throughput
+// (Nsight Compute: 85% of its peak).
 //
 // Exactness (the scheme of smat_chunk_mma.cu): bf16 inputs enter as one part;
 // every fp32 operand (gbar, S_in, D_bar, the score tiles) as three, a product
@@ -429,20 +431,35 @@ __global__ void __launch_bounds__(kThreads, 2)
     const float* Dc;
     float dscale;
     carried(&Dc, &dscale);
-    constexpr int kPairs = kLd / 2;
-    for (int e = tid; e < 2 * kW * kPairs; e += kThreads) {
-      const int q = e / (kW * kPairs), rem = e - q * kW * kPairs, n = rem / kPairs;
-      const int c = 2 * (rem - n * kPairs);
-      float x[2];
+    // kBatch pairs' loads (and their carries') issue before the first is
+    // used: one memory latency per batch, not per pair.
+    constexpr int kPairs = kLd / 2, kItems = 2 * kW * kPairs / kThreads, kBatch = 6;
+    static_assert(2 * kW * kPairs % kThreads == 0 && kItems % kBatch == 0, "whole batches");
+    for (int i0 = 0; i0 < kItems; i0 += kBatch) {
+      float x[kBatch][2], y[kBatch][2];
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const bool in = n < r && c + u < dv;
-        const int64_t at = in ? static_cast<int64_t>(n) * p + c + u : 0;
-        x[u] = in ? __ldg(&(q == 0 ? Sk : Dk)[at]) : 0.f;
-        if (q == 1 && in && Dc != nullptr) x[u] = fmaf(dscale, __ldg(&Dc[at]), x[u]);
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
+        const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
+#pragma unroll
+        for (int v2 = 0; v2 < 2; ++v2) {
+          const bool in = n < r && c + v2 < dv;
+          const int64_t at = in ? static_cast<int64_t>(n) * p + c + v2 : 0;
+          x[u][v2] = in ? __ldg(&(q == 0 ? Sk : Dk)[at]) : 0.f;
+          y[u][v2] = q == 1 && in && Dc != nullptr ? __ldg(&Dc[at]) : 0.f;
+        }
       }
-      *reinterpret_cast<__nv_bfloat162*>(&planes[q * kSidePlane + n * kLd + c]) =
-          __floats2bfloat162_rn(x[0], x[1]);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
+        const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
+        if (q == 1 && Dc != nullptr) {
+          x[u][0] = fmaf(dscale, y[u][0], x[u][0]);
+          x[u][1] = fmaf(dscale, y[u][1], x[u][1]);
+        }
+        *reinterpret_cast<__nv_bfloat162*>(&planes[q * kSidePlane + n * kLd + c]) =
+            __floats2bfloat162_rn(x[u][0], x[u][1]);
+      }
     }
   }
   if (vec_in) CpAsyncWaitAll();
