@@ -103,6 +103,17 @@ class PhaseBench {
   std::map<std::string, Tensor> cpu_t_, gpu_t_;
 };
 
+// Device tensors that must hold the same bits, in pairs under a name; `why`
+// says which two runs gave them.
+using BitPairs = std::vector<std::tuple<const char*, Tensor*, Tensor*>>;
+void ExpectSameBits(Backend& gpu, const BitPairs& pairs, const char* why) {
+  for (const auto& [what, first, second] : pairs) {
+    const Tensor x = ToHost(gpu, *first).value(), y = ToHost(gpu, *second).value();
+    ASSERT_EQ(x.nbytes(), y.nbytes()) << what;
+    EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0) << what << ": " << why;
+  }
+}
+
 class SmatGpuTest : public GpuTest {};
 
 TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
@@ -293,12 +304,8 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
                                    pb.GU("chunk_decay"), pb.GU("recent_offset"), pb.GU("type"),
                                    &ybar3, SmatWrite::kAdd, nullptr));
       SMAT_ASSERT_OK(gk->Normalize(ybar3, eps, &o_b, &den_b, nullptr));
-      for (const auto& [what, fused, three] :
-           {std::tuple{"o", &o_a, &o_b}, std::tuple{"den", &den_a, &den_b}}) {
-        const Tensor x = ToHost(*gpu_, *fused).value(), y = ToHost(*gpu_, *three).value();
-        EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
-            << what << ": NormalizedOutputs differs in bits from the three phases";
-      }
+      ExpectSameBits(*gpu_, {{"o", &o_a, &o_b}, {"den", &den_a, &den_b}},
+                     "NormalizedOutputs differs in bits from the three phases");
       pb.Compare("NormalizedOutputs", "o_fused", TileTol(cs.bf16, cs.bf16 ? kBf16OutTol : tol),
                  true);
       pb.Compare("NormalizedOutputs", "den_fused", TileTol(cs.bf16, tol), true);
@@ -344,13 +351,11 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
         Tensor o2 = empty({b, L, H, dv}, o_dtype);
         SMAT_ASSERT_OK_AND_ASSIGN(const bool again, walk(&S2, &o2, &den2));
         EXPECT_TRUE(again);
-        for (const auto& [what, first, second] :
-             {std::tuple{"S_in", &pb.G("S_in_w"), &S2}, std::tuple{"o", &pb.G("o_w"), &o2},
-              std::tuple{"den", &pb.G("den_w"), &den2}}) {
-          const Tensor x = ToHost(*gpu_, *first).value(), y = ToHost(*gpu_, *second).value();
-          EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
-              << what << ": two ChunkStatesAndOutputs calls differ";
-        }
+        ExpectSameBits(*gpu_,
+                       {{"S_in", &pb.G("S_in_w"), &S2},
+                        {"o", &pb.G("o_w"), &o2},
+                        {"den", &pb.G("den_w"), &den2}},
+                       "two ChunkStatesAndOutputs calls differ");
         pb.Compare("ChunkStatesAndOutputs", "S_in_w", tol, true);
         pb.Compare("ChunkStatesAndOutputs", "o_w", TileTol(cs.bf16, cs.bf16 ? kBf16OutTol : tol),
                    true);
@@ -398,17 +403,13 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
                                            gated ? &dlam_b : nullptr, nullptr));
       SMAT_ASSERT_OK(
           gk->ChunkStateGradients(plan, span, pb.G("phi"), gbar_b, pb.GU("lam"), &sib_b, nullptr));
-      std::vector<std::tuple<const char*, Tensor*, Tensor*>> pairs = {{"gbar", &gbar_a, &gbar_b}};
+      BitPairs pairs = {{"gbar", &gbar_a, &gbar_b}};
       if (gated) {
         pairs.emplace_back("dlam_row", &dlam_a, &dlam_b);
       } else {
         pairs.emplace_back("S_in_bar", &sib_a, &sib_b);
       }
-      for (const auto& [what, fused, two] : pairs) {
-        const Tensor x = ToHost(*gpu_, *fused).value(), y = ToHost(*gpu_, *two).value();
-        EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
-            << what << ": NormalizeBackwardStates differs in bits from the two phases";
-      }
+      ExpectSameBits(*gpu_, pairs, "NormalizeBackwardStates differs in bits from the two phases");
       pb.Compare("NormalizeBackwardStates", "gbar_f", tol, true);
       if (gated) pb.Compare("NormalizeBackwardStates", "dlam_row_f", tol, sp.eps > 0);
       pb.Compare("NormalizeBackwardStates", "S_in_bar_f", tol, true);
@@ -519,17 +520,12 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
         SMAT_ASSERT_OK_AND_ASSIGN(const bool again,
                                   fused(&g2, gated ? &dl2 : nullptr, &pb2, &sb2, &vb2));
         EXPECT_TRUE(again);
-        std::vector<std::tuple<const char*, Tensor*, Tensor*>> pairs = {
-            {"gbar", &pb.G("gbar_c"), &g2},
-            {"phi_bar", &pb.G("phi_bar_c"), &pb2},
-            {"psi_bar", &pb.G("psi_bar_c"), &sb2},
-            {"v_bar", &pb.G("v_bar_c"), &vb2}};
+        BitPairs pairs = {{"gbar", &pb.G("gbar_c"), &g2},
+                          {"phi_bar", &pb.G("phi_bar_c"), &pb2},
+                          {"psi_bar", &pb.G("psi_bar_c"), &sb2},
+                          {"v_bar", &pb.G("v_bar_c"), &vb2}};
         if (gated) pairs.emplace_back("dlam_row", &pb.G("dlam_row_c"), &dl2);
-        for (const auto& [what, first, second] : pairs) {
-          const Tensor x = ToHost(*gpu_, *first).value(), y = ToHost(*gpu_, *second).value();
-          EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0)
-              << what << ": two ChunkBackward calls differ";
-        }
+        ExpectSameBits(*gpu_, pairs, "two ChunkBackward calls differ");
         pb.Compare("ChunkBackward", "gbar_c", tol, true);
         if (gated) pb.Compare("ChunkBackward", "dlam_row_c", tol, sp.eps > 0);
         pb.Compare("ChunkBackward", "phi_bar_c", TileTol(cs.bf16, tol), true);
