@@ -80,27 +80,14 @@ namespace {
 
 using namespace chunk_fwd_mma;  // NOLINT: the tile's shared pieces
 
-// How a span's chunks split into the segments walked by one block each: the
-// distant chunks [0, N) in seg_d segments, the recent chunks [N, Lc) in seg_r,
-// each of len chunks (the last of each part may hold fewer). Each segment's
-// totals come in kSub sub-segments of near-equal length.
-struct WalkSegments {
-  int N, seg_d, seg_r, len;
-};
+// A span's chunks split into the segments walked by one block each
+// (SmatChunkRuns: the distant chunks [0, N) in seg_d segments, the recent
+// [N, Lc) in seg_r, each of len chunks). Each segment's totals come in kSub
+// sub-segments of near-equal length.
+using WalkSegments = SmatChunkRuns;
+using cuda_detail::DeviceSms;
 constexpr int kSub = 4;
 constexpr int kMinWalk = 8;  // chunks: shorter walks leave too little to carry
-
-// Chunks [*k0, *k1) of segment s (empty past the part's end).
-__device__ __forceinline__ void SegmentChunks(const WalkSegments& ws, int Lc, int s, int* k0,
-                                              int* k1) {
-  if (s < ws.seg_d) {
-    *k0 = s * ws.len;
-    *k1 = min(ws.N, *k0 + ws.len);
-  } else {
-    *k0 = ws.N + (s - ws.seg_d) * ws.len;
-    *k1 = min(Lc, *k0 + ws.len);
-  }
-}
 
 // The chunk's products psi^T vbar (16 tokens per MMA step) added to the
 // state's m16n8 tiles that a warp holds: rows 16 mb .. + 15, n-tiles kN0 ..
@@ -250,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (s == ws.seg_d - 1 || s == ws.seg_d + ws.seg_r - 1) return;
   const int b = bh / d.H, h = bh - b * d.H;
   int K0, K1;
-  SegmentChunks(ws, d.Lc, s, &K0, &K1);
+  cuda_detail::RunChunks(ws, d.Lc, s, &K0, &K1);
   const int n = K1 - K0, k0 = K0 + j * n / kSub, k1 = K0 + (j + 1) * n / kSub;
   Block<kFull> bk = MakeBlock<kFull>(base, r, dv);
   const int w = threadIdx.x >> 5, mb = w & 3;
@@ -352,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int bh = blockIdx.x, s = blockIdx.y;
   const int b = bh / d.H, h = bh - b * d.H;
   int k0, k1;
-  SegmentChunks(ws, d.Lc, s, &k0, &k1);
+  cuda_detail::RunChunks(ws, d.Lc, s, &k0, &k1);
   const int64_t W = static_cast<int64_t>(r) * p;
   StageState<3>(starts + (static_cast<int64_t>(bh) * gridDim.y + s) * W, r, p, base + kOffS);
   Block<kFull> bk = MakeBlock<kFull>(base, r, dv);
@@ -411,10 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 // as its longest segment: 4096 chunks in 33 slots per head walk 125 each,
 // not 128).
 WalkSegments PlanWalk(const SmatCudaDims& d, int sms) {
-  WalkSegments ws{};
-  const int64_t first = d.t0 / d.chunk, n_chunks = d.n / d.chunk;
-  ws.N = static_cast<int>(std::min<int64_t>(d.Lc, std::max<int64_t>(0, n_chunks - first)));
-  const int Nd = ws.N, Nr = d.Lc - ws.N;
+  const int Nd = cuda_detail::DistantChunks(d), Nr = d.Lc - Nd;
   const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
   const int parts = (Nd > 0) + (Nr > 0);
   const int slots =
@@ -422,10 +406,7 @@ WalkSegments PlanWalk(const SmatCudaDims& d, int sms) {
   auto count = [](int chunks, int len) { return (chunks + len - 1) / len; };
   int len = std::max(kMinWalk, count(d.Lc, slots));
   while (count(Nd, len) + count(Nr, len) > slots) ++len;
-  ws.len = len;
-  ws.seg_d = count(Nd, len);
-  ws.seg_r = count(Nr, len);
-  return ws;
+  return cuda_detail::ChunkRunsOfLength(Nd, d.Lc, len);
 }
 
 template <bool kFull, int kP>
@@ -462,15 +443,6 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
   kernel<<<dim3(bh, static_cast<unsigned>(segs)), kThreads, kSmemNormBytes, stream>>>(
       d, vec, ws, bf(phi), bf(psi), bf(v), starts, S_in, out);
   return cudaGetLastError();
-}
-
-int DeviceSms() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    return 1;
-  }
-  return std::max(1, sms);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -62,6 +63,30 @@ __device__ __forceinline__ void RunChunks(const SmatChunkRuns& rs, int Lc, int s
 // The run that holds chunk k.
 __device__ __forceinline__ int RunOf(const SmatChunkRuns& rs, int64_t k) {
   return k < rs.N ? static_cast<int>(k / rs.len) : rs.seg_d + static_cast<int>((k - rs.N) / rs.len);
+}
+// Runs of len chunks over a span's Lc chunks, of which the first N are
+// distant: each part is cut on its own, so no run crosses n.
+inline SmatChunkRuns ChunkRunsOfLength(int N, int Lc, int len) {
+  SmatChunkRuns rs;
+  rs.N = N;
+  rs.len = len;
+  rs.seg_d = (N + len - 1) / len;
+  rs.seg_r = (Lc - N + len - 1) / len;
+  return rs;
+}
+// How many of the span's local chunks lie in the distant block [0, n).
+inline int DistantChunks(const SmatCudaDims& d) {
+  const int64_t first = d.t0 / d.chunk, n_chunks = d.n / d.chunk;
+  return static_cast<int>(Min64(d.Lc, Max64(0, n_chunks - first)));
+}
+// Streaming multiprocessors of the current device (1 if it cannot be asked).
+inline int DeviceSms() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    return 1;
+  }
+  return sms > 0 ? sms : 1;
 }
 
 // Decay weight of local token i of (b, h); see SmatTokenWeights.

@@ -345,21 +345,12 @@ cudaError_t Launch(const SmatCudaDims& d, const void* d_o, bool do_bf16, const v
 // NormalizeBackwardRunsKernel (three blocks per SM), at least kMinRun chunks.
 constexpr int kWaves = 4, kMinRun = 4;
 SmatChunkRuns PlanRuns(const SmatCudaDims& d) {
-  int dev = 0, sms = 1;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    sms = 1;
-  }
-  SmatChunkRuns rs;
-  const int64_t first = d.t0 / d.chunk, n_chunks = d.n / d.chunk;
-  rs.N = static_cast<int>(std::min<int64_t>(d.Lc, std::max<int64_t>(0, n_chunks - first)));
   const int64_t bh = std::max<int64_t>(1, static_cast<int64_t>(d.batch) * d.H);
-  const int64_t blocks = std::max<int64_t>(1, int64_t{kWaves} * 3 * std::max(1, sms));
+  const int64_t blocks = int64_t{kWaves} * 3 * cuda_detail::DeviceSms();
   const int64_t len = std::max<int64_t>(kMinRun, (int64_t{d.Lc} * bh + blocks - 1) / blocks);
-  rs.len = static_cast<int>(std::min<int64_t>(len, std::max(1, d.Lc)));
-  rs.seg_d = (rs.N + rs.len - 1) / rs.len;
-  rs.seg_r = (d.Lc - rs.N + rs.len - 1) / rs.len;
-  return rs;
+  return cuda_detail::ChunkRunsOfLength(
+      cuda_detail::DistantChunks(d), d.Lc,
+      static_cast<int>(std::min<int64_t>(len, std::max(1, d.Lc))));
 }
 
 }  // namespace
