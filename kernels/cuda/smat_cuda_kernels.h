@@ -319,9 +319,11 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& dims, const void* phi, const
 
 // ---- smat_chunk_bwd_mma.cu ------------------------------------------------------
 
-// How a span's chunks split into runs of consecutive chunks, each summed by
-// one block: the distant chunks [0, N) in seg_d runs, the recent [N, Lc) in
-// seg_r, each of len chunks (the last of each part may hold fewer).
+// How a span's chunks split into runs of consecutive chunks, each taken by
+// one block (the forward walk's segments, ChunkBackward's runs): the distant
+// chunks [0, N) in seg_d runs, the recent [N, Lc) in seg_r, each of len
+// chunks (the last of each part may hold fewer). cuda_detail::RunChunks gives
+// a run's chunks, ChunkRunsOfLength cuts a span (smat_device.cuh).
 struct SmatChunkRuns {
   int N = 0, seg_d = 0, seg_r = 0, len = 0;
 };
@@ -354,7 +356,7 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& dims, const 
                                                 bool assign, cudaStream_t stream,
                                                 const SmatDBarCarry* carry = nullptr);
 
-// ---- smat_reads_bf16.cu ---------------------------------------------------------
+// ---- smat_reads_bwd_bf16.cu -----------------------------------------------------
 
 // TypeReadsBackward (U_bar's outer sums over the recent tokens of each type
 // and segment, and phi_bar += w U gbar) in one pass over the tokens

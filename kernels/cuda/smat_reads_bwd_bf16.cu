@@ -1,0 +1,146 @@
+// TypeReadsBackward in one pass on tensor cores, from the pieces of
+// smat_reads_bf16.cuh. Over the recent tokens t of a type's segment, with wg_t = w_t gbar_t (fp32
+// products, split into three bf16 planes once):
+//   U_bar[type, segment] = sum_t phi_t wg_t^T      (the tile of smat_outer_tile.cuh)
+//   phi_bar_t += U[type] wg_t                       (as kMatVec, smat_reads_bf16.cu)
+// Both read the same staged rows, so gbar is loaded and split once, not twice.
+// U's planes keep its columns < dv only: wg's column dv (in the planes, for
+// U_bar) meets zeros there and enters phi_bar as wg_t[dv] U[:, dv] in fp32.
+// Shared memory: U's planes, U[:, dv], phi and the three planes of wg, the
+// rows, weights and wg[:, dv]: 107 KB, two blocks per SM. Ungated (w = 1) the
+// U_bar tile sums the bf16 outer sums' planes in their order: the same bits
+// as LaunchSmatOuterSumBf16. Gated, the weight goes to gbar, so U_bar's
+// product stays 3 MMAs (the general kernel weights phi: 6). H200, bf16,
+// T = 524288, d = 2, 8 heads: TypeReadsBackward 1.41 ms ungated, 1.45 ms
+// gated with the widths as constants (kFull; 1.61 and 1.68 ms without; 1.60
+// and 2.03 ms in two passes).
+// kP = 1 (SMAT_CUDA_BF16_PARTS=1): U and wg in one bf16 plane each (each
+// product one MMA: flash-linear-attention's numerics, as the fused chunk
+// tiles take them), 48 KB, three blocks per SM.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/cuda/smat_grouped_mma.h"
+#include "kernels/cuda/smat_reads_bf16.cuh"
+
+namespace smat {
+namespace {
+
+using namespace reads_bf16;  // NOLINT: the read kernels' shared pieces
+using fast_tiles::Aligned16;
+using mma_tiles::CpAsyncWaitAll;
+using mma_tiles::SmemAddr;
+
+// gbar's loads in flight per thread as it is split beside U_bar's
+// accumulators: a third of a tile's.
+constexpr int kFusedSplitLoads = (kSplitLoads + 2) / 3;
+
+template <int kP>
+constexpr int kFusedOffMcol = kP* kMPlane * 2;
+template <int kP>
+constexpr int kFusedOffTok = kFusedOffMcol<kP> + kW * 4;
+template <int kP>
+constexpr int kFusedOffRows = kFusedOffTok<kP> + (1 + kP) * kTokPlane * 2;
+template <int kP>
+constexpr int kFusedSmemBytes = kFusedOffRows<kP> + kC * 8 + 2 * kC * 4;
+static_assert(kFusedOffMcol<3> == kOffMcol && kFusedOffTok<3> == kOffTok,
+              "three parts: the layout of the read kernels");
+static_assert(kFusedOffTok<1> % 16 == 0 && kFusedOffRows<1> % 16 == 0, "16-byte aligned");
+
+template <bool kFull, int kP>
+__global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
+    TypeReadsBackwardKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
+                            const float* __restrict__ U, SmatMatrixLayout lay,
+                            const __nv_bfloat16* __restrict__ phi, const float* __restrict__ gbar,
+                            SmatTokenWeights tw, SmatMatrixLayout out_lay,
+                            float* __restrict__ U_bar, float* __restrict__ phi_bar) {
+  extern __shared__ uint4 smem_u4[];
+  char* smem = reinterpret_cast<char*>(smem_u4);
+  __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* mcol = reinterpret_cast<float*>(smem + kFusedOffMcol<kP>);
+  __nv_bfloat16* Ph = reinterpret_cast<__nv_bfloat16*>(smem + kFusedOffTok<kP>);
+  __nv_bfloat16* Gs = Ph + kTokPlane;  // the kP planes of wg
+  int64_t* rows = reinterpret_cast<int64_t*>(smem + kFusedOffRows<kP>);
+  float* w = reinterpret_cast<float*>(rows + kC);
+  float* gcol = w + kC;
+  const cuda_detail::GroupBlock blk(groups, d, segments);
+  const mma_tiles::TileWidths<kFull> wd{d.r, d.dv};
+  const int r = wd.r(), dv = wd.dv(), p = wd.p();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  // Columns no staging writes: phi's r.., wg's p.. .
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+  mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Ph, 1, r, zero);
+  mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Gs, kP, p, zero);
+  outer_tile::Warp<1, kP> tile(lane, warp, Ph, Gs);
+  const uint32_t a_addr = SmemAddr(Gs) + 2u * ((16 * warp + (lane & 15)) * kLdT + (lane >> 4) * 8);
+  const uint32_t b_plain =
+      SmemAddr(Ms) + 2u * (((lane & 7) + (lane >> 4) * 8) * kLdM + ((lane >> 3) & 1) * 8);
+  const int kv = (dv + 15) >> 4, n_tiles = (r + 7) >> 3;
+
+  for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC) {
+    const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
+    StageTokens(blk, d, tw, j0, nt, rows, w);
+    StageRowsAsync(phi, rows, r, nt, Ph);
+    // U_bar's accumulators stay live: fewer loads in flight.
+    StageSplitRows<true, kFusedSplitLoads, kP>(gbar, rows, w, dv, nt, Gs, gcol);
+    if (j0 == blk.lo) StageMatrix<kP>(blk.Matrix(U, lay, r, p), r, p, dv, dv, Ms, mcol);
+    CpAsyncWaitAll();
+    __syncthreads();
+    const int ksteps = (nt + 15) >> 4;
+    for (int ks = 0; ks < ksteps; ++ks) tile.Step(ks);
+    if (16 * warp < nt) {
+      for (int j0n = 0; j0n < n_tiles; j0n += 4) {
+        float hi[4][4], lo[4][4];
+        Product<kP, 4, false, kP>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
+        StoreRows<4, Den::kG>(hi, lo, 16 * warp, j0n, nt, rows, nullptr, gcol, mcol, r, false,
+                              phi_bar);
+      }
+    }
+  }
+  // U_bar's tile through U's planes (no warp reads them any more), written
+  // in full: zeros for a segment without tokens.
+  tile.Store(r, p, reinterpret_cast<float*>(Ms),
+             blk.Matrix(U_bar, out_lay, r, p, segments, blk.seg), tid, kThreads);
+}
+
+}  // namespace
+
+bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& d, const void* phi) {
+  if (!d.bf16 || d.chunk > kC || d.r <= 0 || d.r > kW || d.r % 8 != 0) return false;
+  if (d.dv <= 0 || d.dv > kW || !Aligned16(phi)) return false;
+  const char* env = std::getenv("SMAT_CUDA_GROUPED");
+  if (env != nullptr && std::strcmp(env, "ffma") == 0) return false;
+  if (!SmatUseFastChunkTiles(d) || !SmatUseMmaGrouped(d, /*reads=*/false)) return false;
+  return SmatDeviceRunsMma(kFusedSmemBytes<3>);
+}
+
+cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTokenGroups& groups,
+                                            int segments, const float* U,
+                                            const SmatMatrixLayout& lay, const void* phi,
+                                            const float* gbar, const SmatTokenWeights& w,
+                                            const SmatMatrixLayout& out_lay, float* U_bar,
+                                            float* phi_bar, cudaStream_t stream) {
+  if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
+  auto launch = [&](auto parts) {
+    constexpr int kP = decltype(parts)::value;
+    auto kernel = d.r == kW && d.dv == kW ? TypeReadsBackwardKernel<true, kP>
+                                          : TypeReadsBackwardKernel<false, kP>;
+    const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kFusedSmemBytes<kP>);
+    if (err != cudaSuccess) return err;
+    const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
+    kernel<<<grid, kThreads, kFusedSmemBytes<kP>, stream>>>(d, groups, segments, U, lay,
+                                                            static_cast<const __nv_bfloat16*>(phi),
+                                                            gbar, w, out_lay, U_bar, phi_bar);
+    return cudaGetLastError();
+  };
+  // Two parts keep three here: the option splits the fused chunk tiles only.
+  if (SmatBf16SplitParts() == 1) return launch(std::integral_constant<int, 1>());
+  return launch(std::integral_constant<int, 3>());
+}
+
+}  // namespace smat
