@@ -44,6 +44,8 @@ ABSL_FLAG(int64_t, chunk, 64, "chunk width c");
 ABSL_FLAG(int64_t, q, 0, "prime field size; 0 picks it from T and d");
 ABSL_FLAG(bool, gated, false, "random log-gates (gated SMat, Lemma 4)");
 ABSL_FLAG(std::string, dtype, "fp32", "fp32 or bf16 (phi, psi, v)");
+ABSL_FLAG(std::string, do_dtype, "",
+          "fp32 or bf16: the backward's output gradient d_o (default: --dtype, the dtype of o)");
 ABSL_FLAG(int32_t, reps, 5, "timed runs (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed runs first");
 ABSL_FLAG(bool, sweep, false, "table over T = 16K, 32K, 64K, 128K, 256K and d = 1, 2, 3");
@@ -65,7 +67,7 @@ namespace {
 constexpr char kUsage[] =
     "times smat kernels.\n"
     "  smat_bench smat --device cpu --T T --d D [--batch --heads --r --dv --chunk --q --gated\n"
-    "                  --dtype fp32|bf16 --reps N --warmup N] [--sweep]\n"
+    "                  --dtype fp32|bf16 --do_dtype fp32|bf16 --reps N --warmup N] [--sweep]\n"
     "  mpirun -np W smat_bench smat --sp --device cuda|cpu --T T_PER_RANK --d D [...]\n"
     "                  [--comm auto|mpi|nccl --baseline_ms MS --baseline_fwd_ms MS]\n"
     "  smat_bench decode --device cuda|cpu --T T --d D [--window C_DC --batch --heads --r --dv\n"
@@ -85,6 +87,13 @@ absl::StatusOr<SmatBenchConfig> ConfigFromFlags() {
   SMAT_ASSIGN_OR_RETURN(cfg.dtype, ParseDType(absl::GetFlag(FLAGS_dtype)));
   if (cfg.dtype != DType::kF32 && cfg.dtype != DType::kBF16) {
     return absl::InvalidArgumentError("--dtype: use fp32 or bf16");
+  }
+  cfg.do_dtype = cfg.dtype;
+  if (const std::string x = absl::GetFlag(FLAGS_do_dtype); !x.empty()) {
+    SMAT_ASSIGN_OR_RETURN(cfg.do_dtype, ParseDType(x));
+    if (cfg.do_dtype != DType::kF32 && cfg.do_dtype != DType::kBF16) {
+      return absl::InvalidArgumentError("--do_dtype: use fp32 or bf16");
+    }
   }
   if (cfg.batch < 1 || cfg.heads < 1 || cfg.r < 1 || cfg.dv < 1) {
     return absl::InvalidArgumentError("--batch, --heads, --r and --dv must be >= 1");

@@ -191,6 +191,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   const int64_t B = cfg.batch, H = cfg.heads, r = cfg.r, dv = cfg.dv, p = dv + 1;
   const int64_t Lc = span.num_chunks(plan), P = plan.geo.P, Bt = plan.geo.B, c = plan.chunk;
   const double es = static_cast<double>(DTypeSize(cfg.dtype));
+  const double es_do = static_cast<double>(DTypeSize(cfg.do_dtype));  // d_o's element
   const double N = static_cast<double>(B * T * H), NC = static_cast<double>(B * Lc * H);
   const double BH = static_cast<double>(B * H), W = static_cast<double>(r * p);
   const double nd = static_cast<double>(B * plan.n * H), nr = static_cast<double>(B * plan.m * H);
@@ -369,7 +370,8 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
 
   double bwd_total = 0;
   if (backward) {
-    SMAT_ASSIGN_OR_RETURN(Tensor d_o, buf.Random({B, T, H, dv}, DType::kF32, cfg.seed + 4, -1.f, 1.f));
+    SMAT_ASSIGN_OR_RETURN(Tensor d_o,
+                          buf.Random({B, T, H, dv}, cfg.do_dtype, cfg.seed + 4, -1.f, 1.f));
     SMAT_ASSIGN_OR_RETURN(Tensor gbar, buf.Zeros({B, T, H, p}));
     SMAT_ASSIGN_OR_RETURN(Tensor dlam_row, buf.Zeros({B, T, H}));
     SMAT_ASSIGN_OR_RETURN(Tensor phi_bar, buf.Zeros({B, T, H, r}));
@@ -394,7 +396,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     SMAT_ASSIGN_OR_RETURN(const bool fused_backward, chunk_backward());
     std::vector<Phase> four;
     four.push_back({"NormalizeBackwardStates",
-                    N * (dv * (4 + es) + 8 + p * 4 + 4 + r * es) + gate_bytes + NC * W * 4,
+                    N * (dv * (es_do + es) + 8 + p * 4 + 4 + r * es) + gate_bytes + NC * W * 4,
                     4 * N * dv + 2 * N * W, [&] {
                       return k->NormalizeBackwardStates(plan, span, d_o, o, den, eps, phi, lam,
                                                         &gbar, cfg.gated ? &dlam_row : nullptr,
@@ -402,7 +404,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                     }});
     // The same as two phases, timed for comparison, not part of the backward.
     std::vector<Phase> two;
-    two.push_back({"NormalizeBackward", N * (dv * (4 + es) + 8 + p * 4 + 4), 4 * N * dv, [&] {
+    two.push_back({"NormalizeBackward", N * (dv * (es_do + es) + 8 + p * 4 + 4), 4 * N * dv, [&] {
                      return k->NormalizeBackward(d_o, o, den, eps, &gbar,
                                                  cfg.gated ? &dlam_row : nullptr, nullptr);
                    }});
@@ -422,9 +424,12 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                                                      SmatWrite::kAssign, nullptr);
                     }});
     if (fused_backward) {
-      // Its bytes: the first pass's (gbar, D_bar's local part) and B7's.
+      // Its bytes: the first pass's (gbar, D_bar's local part) and B7's;
+      // with bf16 d_o, B7 reads d_o, den and gbar[:, dv] instead of gbar.
+      const double b7_gbar = cfg.do_dtype == DType::kBF16 ? dv * es_do + 8 : p * 4;
       bwd.push_back({"ChunkBackward",
-                     N * (dv * (4 + es) + 8 + p * 4 + 4 + r * es) + NC * W * 4 + b7_bytes,
+                     N * (dv * (es_do + es) + 8 + p * 4 + 4 + r * es) + NC * W * 4 + b7_bytes -
+                         N * p * 4 + N * b7_gbar,
                      4 * N * dv + 2 * N * W + b7_flops, [&]() -> absl::Status {
                        SMAT_ASSIGN_OR_RETURN(const bool ran, chunk_backward());
                        if (!ran) return absl::InternalError("ChunkBackward did not run");
@@ -474,7 +479,8 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   std::printf("SUMMARY d=%d %s %s T=%lld: forward %.3f ms", d, DTypeName(cfg.dtype),
               cfg.gated ? "gated" : "ungated", static_cast<long long>(T), fwd_op);
   if (backward)
-    std::printf(", backward %.3f ms, forward+backward %.3f ms", bwd_total, fwd_op + bwd_total);
+    std::printf(", backward %.3f ms (d_o %s), forward+backward %.3f ms", bwd_total,
+                DTypeName(cfg.do_dtype), fwd_op + bwd_total);
   std::printf("; device memory held by the benchmark's tensors %.2f GiB, peak through the "
               "backend's allocator %.2f GiB (the phases' own scratch comes from the CUDA "
               "stream-ordered pool and is not included)\n",

@@ -21,7 +21,7 @@ namespace {
 struct BenchProblem {
   SmatPlan plan;
   SmatInputs in;
-  Tensor d_o;  // [batch, T, H, dv] fp32
+  Tensor d_o;  // [batch, T, H, dv] in cfg.do_dtype
 };
 
 absl::StatusOr<BenchProblem> MakeProblem(Backend& backend, const SmatBenchConfig& cfg, int64_t T,
@@ -111,7 +111,7 @@ absl::StatusOr<SmatBenchResult> BenchSmatForwardBackward(Backend& backend,
                                                          int d) {
   SMAT_ASSIGN_OR_RETURN(BenchProblem pr, MakeProblem(backend, cfg, T, d));
   SMAT_ASSIGN_OR_RETURN(pr.d_o, RandomOnDevice(backend, {cfg.batch, T, cfg.heads, cfg.dv},
-                                               DType::kF32, cfg.seed + 4, -1.f, 1.f));
+                                               cfg.do_dtype, cfg.seed + 4, -1.f, 1.f));
   SMAT_ASSIGN_OR_RETURN(Timings ms, TimeRuns(backend, cfg, [&]() -> absl::Status {
     SmatForwardOutputs fwd;
     SMAT_RETURN_IF_ERROR(SmatForward(backend, pr.plan, pr.in, &fwd));

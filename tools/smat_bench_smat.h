@@ -28,6 +28,9 @@ struct SmatBenchConfig {
   int64_t q = 0;       // 0: picked from (T, d)
   bool gated = false;  // random log-gates in [-0.05, 0]
   DType dtype = DType::kF32;  // phi, psi, v
+  // The output gradient d_o of the backward: the op's o is in `dtype` (bf16
+  // for bf16 inputs, as the trainer passes it); fp32 as an option.
+  DType do_dtype = DType::kF32;
   int reps = 5;
   int warmup = 1;
   uint64_t seed = 1;

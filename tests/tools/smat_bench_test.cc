@@ -44,6 +44,7 @@ TEST(SmatBenchToolTest, BadUsage) {
   EXPECT_NE(res.output.find("T is too small for d = 3"), std::string::npos) << res.output;
   EXPECT_EQ(RunBench("attention --T 4096").rc, 2);
   EXPECT_EQ(RunBench("smat --T 4096 --dtype int8").rc, 2);
+  EXPECT_EQ(RunBench("smat --T 4096 --do_dtype int8").rc, 2);
   EXPECT_EQ(RunBench("smat --T 4096 --reps 0").rc, 1);
 }
 #endif
