@@ -67,6 +67,21 @@
 // of 8832): 5.63 -> 5.18 ms at the shape below, up to 5.8e-6 of the CPU
 // phases against 4e-7 with three.
 //
+// gbar by its factors (kDo; SmatGbarFactors, which ChunkBackward passes for a
+// bf16 d_o, as the trainer's and the op's o are bf16). B1 makes gbar_t[0:dv] =
+// d_o_t / den_t, so B7 stages d_o's bf16 rows as one exact plane and 1 / den_t
+// (fp32) instead of gbar split into kP planes, and applies 1 / den_t in fp32
+// where each product is done: G[t, s] = (d_o_t . v_s) / den_t + gbar_t[dv]
+// (one MMA per n8 tile and k step where three parts took three), v_bar's
+// X^T d_o with X^T's column t scaled first (kP MMAs where both split took
+// six), the query side S_in d_o_t / den_t (three where it took six). Three
+// parts: 8544 -> 5760 MMAs per chunk and head, a quarter of the gbar staging's
+// bytes per chunk in shared memory (one plane, not three), and ChunkBackward
+// 6.47 -> 5.76-5.78 ms at the shape below (2026-12-02), its errors against the
+// CPU phases lower (v_bar 1.2e-6 -> 7.2e-7 of the largest reference). One
+// part: the same MMAs (4.13 against 4.18 ms, within the spread between runs),
+// its errors lower (psi_bar 4.6e-3 -> 3.1e-3).
+//
 // Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.64 ms
 // ungated and 5.94 ms gated with the widths as constants (Block<kFull>, 72 KB
 // of code against 105 KB; 5.70 and 6.01 ms with the launch's widths); the
@@ -105,15 +120,18 @@ using namespace mma_tiles;      // NOLINT: the tensor-core pieces are this file'
 using namespace chunk_bwd_mma;  // NOLINT: the kernel's shared pieces
 
 // phi_bar rows t of block i += the causal sum (kAssign: =).
-template <bool kGated, bool kAssign, bool kFull, int kP>
-__device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
-                                          int h, int64_t c0, int i, float* __restrict__ phi_bar) {
+template <bool kGated, bool kAssign, bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void QueryRows(const Block<kFull, kP, kDo>& bk, const SmatCudaDims& d,
+                                          int b, int h, int64_t c0, int i,
+                                          float* __restrict__ phi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r();
   float hi[8][4], lo[8][4];
-  float gc[2], lt[2], rt[2];
+  constexpr int kGP = Block<kFull, kP, kDo>::kGP;
+  float gc[2], gm[2], lt[2], rt[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     gc[hr] = bk.gcol()[16 * i + g + 8 * hr];
+    gm[hr] = kDo ? bk.gs()[16 * i + g + 8 * hr] : 1.f;
     lt[hr] = bk.lam()[16 * i + g + 8 * hr];
     rt[hr] = kGated ? bk.rf()[16 * i + g + 8 * hr] : 1.f;
   }
@@ -127,15 +145,16 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const Smat
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kd()) continue;
-      uint32_t a[kP][4], bv[4];
+      uint32_t a[kGP][4], bv[4];
       bk.LoadG(a, 16 * i, 16 * ks, bk.off_a);
       Ldsm4(bv, bk.Addr(kV, 16 * j, 16 * ks, bk.off_bn));
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) MmaPx1<kP>(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
+      for (int nt = 0; nt < 2; ++nt) MmaPx1<kGP>(sc[nt], scl[nt], a, bv[2 * nt], bv[2 * nt + 1]);
     }
     // X[t, s] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce; the mask
     // only where the tile holds pairs outside (diagonal or last block). W
-    // off the diagonal from its factors (GateFactors).
+    // off the diagonal from its factors (GateFactors). kDo: G[t, s] =
+    // (d_o_t . v_s) / den_t.
     float rq[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
@@ -143,7 +162,10 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const Smat
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = (sc[nt][e] + scl[nt][e]) + gc[e >> 1];
+      for (int e = 0; e < 4; ++e) {
+        const float gv = sc[nt][e] + scl[nt][e];
+        sc[nt][e] = kDo ? fmaf(gm[e >> 1], gv, gc[e >> 1]) : gv + gc[e >> 1];
+      }
     if (kGated && j == i) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -177,8 +199,8 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP>& bk, const Smat
 // A key-row tile X^T[s, t] (rows s of block j: ls = lam_s; columns t of
 // block i >= j) times W[t, s]: the diagonal tile by an exp per element, the
 // others from mma_tiles::GateFactors' factors (rk = cf[s] bb[i][j]).
-template <bool kFull, int kP>
-__device__ __forceinline__ void GateKeyTile(const Block<kFull, kP>& bk, int i, int j, int tq,
+template <bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void GateKeyTile(const Block<kFull, kP, kDo>& bk, int i, int j, int tq,
                                             const float (&ls)[2], const float (&rk)[2],
                                             float (&sc)[2][4]) {
   if (j == i) {
@@ -197,9 +219,10 @@ __device__ __forceinline__ void GateKeyTile(const Block<kFull, kP>& bk, int i, i
 }
 
 // psi_bar rows s of block j += the causal sum (kAssign: =).
-template <bool kGated, bool kAssign, bool kFull, int kP>
-__device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
-                                           int h, int64_t c0, int j, float* __restrict__ psi_bar) {
+template <bool kGated, bool kAssign, bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP, kDo>& bk, const SmatCudaDims& d,
+                                           int b, int h, int64_t c0, int j,
+                                           float* __restrict__ psi_bar) {
   const int g = bk.g, tq = bk.tq, r = bk.r();
   float hi[8][4], lo[8][4];
   float ls[2], cs[2];
@@ -218,22 +241,23 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const Sma
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= bk.kd()) continue;
-      uint32_t a[4], bg[kP][4];
+      constexpr int kGP = Block<kFull, kP, kDo>::kGP;
+      uint32_t a[4], bg[kGP][4];
       Ldsm4(a, bk.Addr(kV, 16 * j, 16 * ks, bk.off_a));
       bk.LoadG(bg, 16 * i, 16 * ks, bk.off_bn);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        uint32_t bb[kP][2];
+        uint32_t bb[kGP][2];
 #pragma unroll
-        for (int q = 0; q < kP; ++q) {
+        for (int q = 0; q < kGP; ++q) {
           bb[q][0] = bg[q][2 * nt];
           bb[q][1] = bg[q][2 * nt + 1];
         }
-        Mma1xP<kP>(sc[nt], scl[nt], a, bb);
+        Mma1xP<kGP>(sc[nt], scl[nt], a, bb);
       }
     }
     // X^T[s, t] = W[t, s] (G[t, s] + gbar[t][dv]) for s <= t < ce (masked as
-    // in QueryRows).
+    // in QueryRows; kDo: G[t, s] = (v_s . d_o_t) / den_t).
     float rk[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
@@ -241,8 +265,11 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const Sma
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        sc[nt][e] = (sc[nt][e] + scl[nt][e]) + bk.gcol()[16 * i + 8 * nt + 2 * tq + (e & 1)];
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * i + 8 * nt + 2 * tq + (e & 1);
+        const float gv = sc[nt][e] + scl[nt][e];
+        sc[nt][e] = kDo ? fmaf(bk.gs()[t], gv, bk.gcol()[t]) : gv + bk.gcol()[t];
+      }
     if (kGated) GateKeyTile(bk, i, j, tq, ls, rk, sc);
     MaskTile</*kKeyRows=*/true>(bk, i, j, g, tq, sc);
     uint32_t xa[kP][4];
@@ -263,9 +290,10 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP>& bk, const Sma
 
 // v_bar rows s of block j, every column, += the causal sum (kAssign: =):
 // each score tile once for all dv columns.
-template <bool kGated, bool kAssign, bool kFull, int kP>
-__device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
-                                         int h, int64_t c0, int j, float* __restrict__ v_bar) {
+template <bool kGated, bool kAssign, bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void KeyRowsV(const Block<kFull, kP, kDo>& bk, const SmatCudaDims& d,
+                                         int b, int h, int64_t c0, int j,
+                                         float* __restrict__ v_bar) {
   const int g = bk.g, tq = bk.tq, dv = bk.dv();
   float hi[8][4], lo[8][4];
   float ls[2], cs[2];
@@ -303,22 +331,35 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatC
       GateKeyTile(bk, i, j, tq, ls, rk, sc);
     }
     MaskTile</*kKeyRows=*/true>(bk, i, j, g, tq, sc);
+    if constexpr (kDo) {
+      // gbar_t[:dv] = d_o_t / den_t: X^T's column t takes the 1 / den_t, so
+      // that d_o enters the product as one exact part.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] *= bk.gs()[16 * i + 8 * nt + 2 * tq + (e & 1)];
+    }
     uint32_t xa[kP][4];
     SplitTileParts<kP>(sc, xa);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (16 * np >= dv) continue;
-      uint32_t bg[kP][4];
+      constexpr int kGP = Block<kFull, kP, kDo>::kGP;
+      uint32_t bg[kGP][4];
       bk.template LoadG</*kTrans=*/true>(bg, 16 * i, 16 * np, bk.off_bt);
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        uint32_t bb[kP][2];
+        if constexpr (kDo) {
+          MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bg[0][2 * h2], bg[0][2 * h2 + 1]);
+        } else {
+          uint32_t bb[kP][2];
 #pragma unroll
-        for (int q = 0; q < kP; ++q) {
-          bb[q][0] = bg[q][2 * h2];
-          bb[q][1] = bg[q][2 * h2 + 1];
+          for (int q = 0; q < kP; ++q) {
+            bb[q][0] = bg[q][2 * h2];
+            bb[q][1] = bg[q][2 * h2 + 1];
+          }
+          MmaPxP<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bb);
         }
-        MmaPxP<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bb);
       }
     }
   }
@@ -326,11 +367,13 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP>& bk, const SmatC
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, dv, bk.pairs_v(), hi, lo, v_bar);
 }
 
-// grid ChunkGrid(d), kThreads threads, kSmemBytes<kP> of shared memory.
+// grid ChunkGrid(d), kThreads threads, kSmemBytes<kP, kDo> of shared memory.
 // kAssign: the outputs are written, not added to (SmatWrite::kAssign).
 // kFull: r = dv = kW, vec_in, pairs_r and pairs_v (see Block). kP: the bf16
-// parts of every fp32 operand (SmatBf16SplitParts).
-template <bool kGated, bool kAssign, bool kFull, int kP>
+// parts of every fp32 operand (SmatBf16SplitParts). kDo: gbar's columns < dv
+// from their factors gf (SmatGbarFactors; vec_in then covers d_o's rows), only
+// column dv from gbar.
+template <bool kGated, bool kAssign, bool kFull, int kP, bool kDo>
 __global__ void __launch_bounds__(kThreads, 2)
     ChunkBackwardFusedKernel(SmatCudaDims d, bool vec_in, bool pairs_r, bool pairs_v,
                              const __nv_bfloat16* __restrict__ phi,
@@ -339,9 +382,9 @@ __global__ void __launch_bounds__(kThreads, 2)
                              const float* __restrict__ cd, const float* __restrict__ S_in,
                              const float* __restrict__ gbar, const float* __restrict__ D_bar,
                              float* __restrict__ phi_bar, float* __restrict__ psi_bar,
-                             float* __restrict__ v_bar, SmatDBarCarry dc) {
+                             float* __restrict__ v_bar, SmatDBarCarry dc, SmatGbarFactors gf) {
   __nv_bfloat16* tiles = SmemTiles();
-  float* gcol = SmemTokens<kP>();
+  float* gcol = SmemTokens<kP, kDo>();
   float* lam_s = gcol + kC;
   float* wq = lam_s + kC;
   float* wk = wq + kC;
@@ -380,11 +423,20 @@ __global__ void __launch_bounds__(kThreads, 2)
     // gbar[:, 0:dv] in kP parts, a column pair (n, n + 1) per thread and
     // step (StoreSplitPair: a 4-byte store per part); gcol = gbar[:, dv]. All 32
     // loads of a thread issue before the first use (clamped indices, no
-    // branches).
+    // branches). kDo: d_o's rows instead, as they are, and gs = 1 / den.
     const float* tg = gbar + tok * p;
     const int64_t sg = static_cast<int64_t>(d.H) * p;
     constexpr int kBatch = 8;  // pairs
-    for (int e0 = tid; e0 < kC * kW / 2; e0 += kThreads * kBatch) {
+    if constexpr (kDo) {
+      StageBf16Rows<kC, kW, kLd, kThreads>(static_cast<const __nv_bfloat16*>(gf.d_o) + tok * dv,
+                                           static_cast<int64_t>(d.H) * dv, dv, ce, vec_in,
+                                           tiles + kG * kTile);
+      if (tid < kC) {
+        float* gs = gcol + 6 * kC + 2 * kW + kBlocks * kBlocks;  // Block::gs()
+        gs[tid] = tid < ce ? 1.f / __ldg(&gf.den[tok + static_cast<int64_t>(tid) * d.H]) : 0.f;
+      }
+    }
+    for (int e0 = tid; !kDo && e0 < kC * kW / 2; e0 += kThreads * kBatch) {
       float x[kBatch][2];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -424,8 +476,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   if constexpr (kP == 1) {
     // S_in and D_bar (with its carry) as bf16 planes for OwnerSide: row n <
     // r, columns k < dv, a column pair per thread and step; zero elsewhere.
-    __nv_bfloat16* const planes =
-        reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(tiles) + kSideOffsetBytes<kP>);
+    __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(tiles) +
+                                                                   kSideOffsetBytes<kP, kDo>);
     const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
     const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
     const float* Dc;
@@ -469,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
   }
 
-  Block<kFull, kP> bk;
+  Block<kFull, kP, kDo> bk;
   bk.ce = ce;
   bk.nb = (ce + 15) >> 4;
   bk.r_ = r;
@@ -518,27 +570,31 @@ __global__ void __launch_bounds__(kThreads, 2)
   SideTerms<Side::kQuery>(bk, d, b, h, c0, w, side, phi_bar);
 }
 
-template <bool kGated, bool kAssign, int kP>
+template <bool kGated, bool kAssign, int kP, bool kDo>
 cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
                         const float* lam, const float* chunk_decay, const float* S_in,
                         const float* gbar, const float* D_bar, float* phi_bar, float* psi_bar,
-                        float* v_bar, const SmatDBarCarry& dc, cudaStream_t stream) {
+                        float* v_bar, const SmatDBarCarry& dc, const SmatGbarFactors& gf,
+                        cudaStream_t stream) {
+  // Rows by 16-byte pieces where every staged row allows it (d_o's too, kDo).
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
-                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
+                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v) &&
+                   (!kDo || fast_tiles::Aligned16(gf.d_o));
   auto aligned8 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 7) == 0; };
   const bool pairs_r = d.r % 2 == 0 && aligned8(phi_bar) && aligned8(psi_bar);
   const bool pairs_v = d.dv % 2 == 0 && aligned8(v_bar);
   const bool full = d.r == kW && d.dv == kW && vec && pairs_r && pairs_v;
-  auto kernel = full ? ChunkBackwardFusedKernel<kGated, kAssign, true, kP>
-                     : ChunkBackwardFusedKernel<kGated, kAssign, false, kP>;
+  auto kernel = full ? ChunkBackwardFusedKernel<kGated, kAssign, true, kP, kDo>
+                     : ChunkBackwardFusedKernel<kGated, kAssign, false, kP, kDo>;
   // Two blocks per SM need the largest shared-memory carveout.
-  const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes<kP>);
+  constexpr int kBytes = kSmemBytes<kP, kDo>;
+  const cudaError_t err = AllowSharedMemory(kernel, kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid = cuda_detail::ChunkGrid(d);
-  kernel<<<grid, kThreads, kSmemBytes<kP>, stream>>>(
+  kernel<<<grid, kThreads, kBytes, stream>>>(
       d, vec, pairs_r, pairs_v, static_cast<const __nv_bfloat16*>(phi),
       static_cast<const __nv_bfloat16*>(psi), static_cast<const __nv_bfloat16*>(v), lam,
-      chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc);
+      chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc, gf);
   return cudaGetLastError();
 }
 
@@ -549,25 +605,30 @@ bool SmatChunkBackwardFusedFits(const SmatCudaDims& d) {
   return SmatDeviceRunsMma(kSmemBytes<3>);  // the larger of the two
 }
 
-cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& d, const void* phi,
-                                                const void* psi, const void* v, const float* lam,
-                                                const float* chunk_decay, const float* S_in,
-                                                const float* gbar, const float* D_bar,
-                                                float* phi_bar, float* psi_bar, float* v_bar,
-                                                bool assign, cudaStream_t stream,
-                                                const SmatDBarCarry* carry) {
+cudaError_t LaunchSmatChunkOutputsBackwardFused(
+    const SmatCudaDims& d, const void* phi, const void* psi, const void* v, const float* lam,
+    const float* chunk_decay, const float* S_in, const float* gbar, const float* D_bar,
+    float* phi_bar, float* psi_bar, float* v_bar, bool assign, cudaStream_t stream,
+    const SmatDBarCarry* carry, const SmatGbarFactors* factors) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
   const SmatDBarCarry dc = carry != nullptr ? *carry : SmatDBarCarry();
-  auto launch = [&](auto gated, auto write) {
+  const bool by_factors = factors != nullptr && factors->d_o != nullptr && factors->den != nullptr;
+  const SmatGbarFactors gf = by_factors ? *factors : SmatGbarFactors();
+  auto launch = [&](auto gated, auto write, auto by_do) {
     return mma_tiles::WithSplitParts(SmatBf16SplitParts(), [&](auto parts) {
-      return LaunchGated<decltype(gated)::value, decltype(write)::value, decltype(parts)::value>(
-          d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc, stream);
+      return LaunchGated<decltype(gated)::value, decltype(write)::value, decltype(parts)::value,
+                         decltype(by_do)::value>(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
+                                                 D_bar, phi_bar, psi_bar, v_bar, dc, gf, stream);
     });
   };
   using Yes = std::true_type;
   using No = std::false_type;
-  if (lam != nullptr) return assign ? launch(Yes(), Yes()) : launch(Yes(), No());
-  return assign ? launch(No(), Yes()) : launch(No(), No());
+  // The factors come with ChunkBackward, which writes its outputs.
+  if (by_factors && assign) {
+    return lam != nullptr ? launch(Yes(), Yes(), Yes()) : launch(No(), Yes(), Yes());
+  }
+  if (lam != nullptr) return assign ? launch(Yes(), Yes(), No()) : launch(Yes(), No(), No());
+  return assign ? launch(No(), Yes(), No()) : launch(No(), No(), No());
 }
 
 }  // namespace smat

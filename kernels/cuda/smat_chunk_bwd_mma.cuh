@@ -28,30 +28,37 @@ constexpr int kTile = kC * kLd;  // bf16 elements of one staged tile
 // fp32 [kC] arrays gcol = gbar[:, dv], lam, wq = exp(lam), wk = w_s, [kW]
 // arrays S_in[:, dv], D_bar[:, dv], and the gates' factors rf, cf [kC] and
 // bb [8][8] (mma_tiles::GateFactors).
+// kDo: gbar's columns < dv come as their factors (SmatGbarFactors), the bf16
+// rows of d_o in one plane (exact) and gs = 1 / den [kC] after bb.
 constexpr int kPhi = 0, kPsi = 1, kV = 2, kG = 3;  // tile indices
 constexpr int kBlocks = kC / 16;  // 16-token blocks of a chunk
 // kP: the bf16 parts of every fp32 operand (1, 2 or 3, SmatBf16SplitParts).
-template <int kP>
-constexpr int kTiles = 3 + kP;
-constexpr int kTokenFloats = 6 * kC + 2 * kW + kBlocks * kBlocks;
+// kGParts: gbar's planes.
+template <int kP, bool kDo>
+constexpr int kGParts = kDo ? 1 : kP;
+template <int kP, bool kDo = false>
+constexpr int kTiles = 3 + kGParts<kP, kDo>;
+template <bool kDo = false>
+constexpr int kTokenFloats = 6 * kC + 2 * kW + kBlocks* kBlocks + (kDo ? kC : 0);
 // With one part (kP = 1) S_in and D_bar also wait as bf16 planes [kW][kLd]
 // (columns < dv, rows < r; zero elsewhere) after the per-token arrays, for the
 // side terms of the rows' owners (OwnerSide).
 constexpr int kSidePlane = kW * kLd;  // bf16 elements of one side plane
-template <int kP>
-constexpr int kSideOffsetBytes = kTiles<kP>* kTile * 2 + kTokenFloats * 4;
-template <int kP>
-constexpr int kSmemBytes = kSideOffsetBytes<kP> + (kP == 1 ? 2 * kSidePlane * 2 : 0);
-static_assert(kSideOffsetBytes<1> % 16 == 0, "the side planes are 16-byte aligned");
+template <int kP, bool kDo = false>
+constexpr int kSideOffsetBytes = kTiles<kP, kDo>* kTile * 2 + kTokenFloats<kDo> * 4;
+template <int kP, bool kDo = false>
+constexpr int kSmemBytes = kSideOffsetBytes<kP, kDo> + (kP == 1 ? 2 * kSidePlane * 2 : 0);
+static_assert(kSideOffsetBytes<1> % 16 == 0 && kSideOffsetBytes<1, true> % 16 == 0,
+              "the side planes are 16-byte aligned");
 
 // The block's shared memory: bf16 tiles, then the fp32 per-token arrays.
 __device__ __forceinline__ __nv_bfloat16* SmemTiles() {
   extern __shared__ float4 smem4[];
   return reinterpret_cast<__nv_bfloat16*>(smem4);
 }
-template <int kP>
+template <int kP, bool kDo = false>
 __device__ __forceinline__ float* SmemTokens() {
-  return reinterpret_cast<float*>(SmemTiles() + kTiles<kP> * kTile);
+  return reinterpret_cast<float*>(SmemTiles() + kTiles<kP, kDo> * kTile);
 }
 
 // What every warp of a block shares. The per-token arrays are at fixed
@@ -60,18 +67,22 @@ __device__ __forceinline__ float* SmemTokens() {
 // 0 for rows >= r). kFull: r = dv = kW (mma_tiles::TileWidths), the staged
 // rows 16-byte aligned and the outputs 8-byte aligned, so that the pair
 // stores are constant too. kP: the parts of gbar's planes and of every split
-// operand.
-template <bool kFull, int kP>
+// operand; kDo: gbar's columns < dv as d_o's plane and gs (see kTiles).
+template <bool kFull, int kP, bool kDo = false>
 struct Block : mma_tiles::TileWidths<kFull> {
-  __device__ const float* gcol() const { return SmemTokens<kP>(); }
-  __device__ const float* lam() const { return SmemTokens<kP>() + kC; }
-  __device__ const float* wq() const { return SmemTokens<kP>() + 2 * kC; }
-  __device__ const float* wk() const { return SmemTokens<kP>() + 3 * kC; }
-  __device__ const float* scol() const { return SmemTokens<kP>() + 4 * kC; }
-  __device__ const float* dcol() const { return SmemTokens<kP>() + 4 * kC + kW; }
-  __device__ const float* rf() const { return SmemTokens<kP>() + 4 * kC + 2 * kW; }
-  __device__ const float* cf() const { return SmemTokens<kP>() + 5 * kC + 2 * kW; }
-  __device__ const float* bb() const { return SmemTokens<kP>() + 6 * kC + 2 * kW; }
+  static constexpr int kGP = kGParts<kP, kDo>;
+  __device__ const float* gcol() const { return SmemTokens<kP, kDo>(); }
+  __device__ const float* lam() const { return SmemTokens<kP, kDo>() + kC; }
+  __device__ const float* wq() const { return SmemTokens<kP, kDo>() + 2 * kC; }
+  __device__ const float* wk() const { return SmemTokens<kP, kDo>() + 3 * kC; }
+  __device__ const float* scol() const { return SmemTokens<kP, kDo>() + 4 * kC; }
+  __device__ const float* dcol() const { return SmemTokens<kP, kDo>() + 4 * kC + kW; }
+  __device__ const float* rf() const { return SmemTokens<kP, kDo>() + 4 * kC + 2 * kW; }
+  __device__ const float* cf() const { return SmemTokens<kP, kDo>() + 5 * kC + 2 * kW; }
+  __device__ const float* bb() const { return SmemTokens<kP, kDo>() + 6 * kC + 2 * kW; }
+  __device__ const float* gs() const {  // kDo only
+    return SmemTokens<kP, kDo>() + 6 * kC + 2 * kW + kBlocks * kBlocks;
+  }
   int ce, nb;
   bool pairs_r_, pairs_v_;  // phi_bar and psi_bar, v_bar rows move as float2 (see StoreRows)
   __device__ bool pairs_r() const { return kFull || pairs_r_; }
@@ -86,14 +97,15 @@ struct Block : mma_tiles::TileWidths<kFull> {
   }
   // The same in side plane q (0: S_in, 1: D_bar; kP = 1 only).
   __device__ uint32_t SideAddr(int q, int row, int col, int off) const {
-    return base + static_cast<uint32_t>(kSideOffsetBytes<kP>) +
+    return base + static_cast<uint32_t>(kSideOffsetBytes<kP, kDo>) +
            2u * static_cast<uint32_t>(q * kSidePlane + row * kLd + col + off);
   }
-  // The ldmatrix fragments of gbar's kP planes at (row, col) (kTrans: .trans).
+  // The ldmatrix fragments of gbar's kGP planes at (row, col) (kTrans:
+  // .trans); with kDo those of d_o.
   template <bool kTrans = false>
-  __device__ void LoadG(uint32_t (&x)[kP][4], int row, int col, int off) const {
+  __device__ void LoadG(uint32_t (&x)[kGP][4], int row, int col, int off) const {
 #pragma unroll
-    for (int q = 0; q < kP; ++q) {
+    for (int q = 0; q < kGP; ++q) {
       if constexpr (kTrans) {
         Ldsm4T(x[q], Addr(kG + q, row, col, off));
       } else {
@@ -108,11 +120,11 @@ struct Block : mma_tiles::TileWidths<kFull> {
 // before the first store of its row (two memory latencies per job, not one per
 // element); pairs: width is even and out 8-byte aligned, so each (n, n + 1)
 // moves as one float2.
-template <int kNt, bool kAssign, bool kFull, int kP>
-__device__ __forceinline__ void StoreRows(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
-                                          int h, int64_t c0, int m0, int n0, int width, bool pairs,
-                                          float (&hi)[kNt][4], const float (&lo)[kNt][4],
-                                          float* __restrict__ out) {
+template <int kNt, bool kAssign, bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void StoreRows(const Block<kFull, kP, kDo>& bk, const SmatCudaDims& d,
+                                          int b, int h, int64_t c0, int m0, int n0, int width,
+                                          bool pairs, float (&hi)[kNt][4],
+                                          const float (&lo)[kNt][4], float* __restrict__ out) {
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
@@ -174,6 +186,7 @@ __device__ __forceinline__ void StoreRows(const Block<kFull, kP>& bk, const Smat
 //   phi_bar_t += wq_t (sum_{k < dv} gbar_t[k] S[n][k] + gbar_t[dv] S[n][dv])
 //   psi_bar_s += w_s (sum_{k < dv} D[n][k] v_s[k] + D[n][dv])
 //   v_bar_s   += w_s sum_{k < r} psi_s[k] D[k][n]
+// (kDo: the first sum as (sum_{k < dv} d_o_t[k] S[n][k]) / den_t).
 // kSide: which of the three. The B fragments of the warp's two n8 tiles stay
 // in registers (kP parts x 4 k-steps); one 16-row block at a time, the next
 // block's old values loading while its products run (B7 4.91-4.94 -> 4.70-4.74
@@ -220,9 +233,9 @@ __device__ __forceinline__ void StageSide(const float* __restrict__ from, int n,
 
 // M: the chunk's S_in or D_bar (r x p fp32, row-major) in shared memory
 // (StageSide).
-template <Side kSide, bool kFull, int kP>
-__device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const SmatCudaDims& d, int b,
-                                          int h, int64_t c0, int w, const float* M,
+template <Side kSide, bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void SideTerms(const Block<kFull, kP, kDo>& bk, const SmatCudaDims& d,
+                                          int b, int h, int64_t c0, int w, const float* M,
                                           float* __restrict__ out) {
   const int g = bk.g, tq = bk.tq;
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
@@ -311,10 +324,16 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= ksteps) continue;
       if (kQuery) {
-        uint32_t a[kP][4];
+        uint32_t a[Block<kFull, kP, kDo>::kGP][4];
         bk.LoadG(a, 16 * i, 16 * ks, bk.off_a);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) MmaPxP<kP>(hi[nt], lo[nt], a, bs[ks][nt]);
+        for (int nt = 0; nt < 2; ++nt) {
+          if constexpr (kDo) {
+            Mma1xP<kP>(hi[nt], lo[nt], a[0], bs[ks][nt]);
+          } else {
+            MmaPxP<kP>(hi[nt], lo[nt], a, bs[ks][nt]);
+          }
+        }
       } else {
         uint32_t a[4];
         Ldsm4(a, bk.Addr(a_tile, 16 * i, 16 * ks, bk.off_a));
@@ -333,7 +352,8 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
         float y[2];
 #pragma unroll
         for (int e1 = 0; e1 < 2; ++e1) {
-          const float sum = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+          float sum = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
+          if (kDo && kQuery) sum *= bk.gs()[m];  // d_o_t's product, divided by den_t
           const float side = kQuery ? fmaf(bk.gcol()[m], extra[nt][e1], sum) : sum + extra[nt][e1];
           y[e1] = old[hr][nt][e1] + wrow[m] * side;
         }
@@ -358,8 +378,8 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP>& bk, const Smat
 //   key v (D):     hi += w_s sum_{k < r} psi_s[k] D[k][n]
 // so the outputs are written once, with no pass over them after the causal
 // sums (the column blocks of SideTerms read back what the owners wrote).
-template <Side kSide, bool kFull>
-__device__ __forceinline__ void OwnerSide(const Block<kFull, 1>& bk, int i, float (&hi)[8][4],
+template <Side kSide, bool kFull, bool kDo>
+__device__ __forceinline__ void OwnerSide(const Block<kFull, 1, kDo>& bk, int i, float (&hi)[8][4],
                                           float (&lo)[8][4]) {
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
   const int width = kKeyV ? bk.dv() : bk.r();
@@ -392,13 +412,15 @@ __device__ __forceinline__ void OwnerSide(const Block<kFull, 1>& bk, int i, floa
   for (int hr = 0; hr < 2; ++hr) {
     const int m = 16 * i + bk.g + 8 * hr;
     const float wt = wrow[m], gc = kQuery ? bk.gcol()[m] : 0.f;
+    const float gm = kDo && kQuery ? bk.gs()[m] : 1.f;  // d_o_t's product, divided by den_t
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e1 = 0; e1 < 2; ++e1) {
         const int n = 8 * nt + 2 * bk.tq + e1, e = 2 * hr + e1;
         const float extra = kQuery ? bk.scol()[n] : kKeyV ? 0.f : bk.dcol()[n];
-        const float side = kQuery ? fmaf(gc, extra, lo[nt][e]) : lo[nt][e] + extra;
+        const float side =
+            kQuery ? fmaf(gc, extra, kDo ? gm * lo[nt][e] : lo[nt][e]) : lo[nt][e] + extra;
         hi[nt][e] += wt * side;
         lo[nt][e] = 0.f;
       }

@@ -340,21 +340,30 @@ struct SmatDBarCarry {
   SmatChunkRuns runs;
 };
 
+// gbar's columns < dv by their factors, gbar_t[0:dv] = d_o_t / den_t (B1):
+// d_o's bf16 rows [batch, L, H, dv] and den [batch, L, H]. B7 then takes d_o
+// as one exact bf16 part where it took gbar in kP, and divides by den_t in
+// fp32 (SmatChunkBackward passes them where d_o is bf16).
+struct SmatGbarFactors {
+  const void* d_o = nullptr;
+  const float* den = nullptr;
+};
+
 // B7 for bf16 inputs as one tensor-core kernel (phi_bar, psi_bar and v_bar
 // from one staging of the chunk); fits where the fast tiles do, on sm_80 or
 // later with its shared memory. LaunchSmatChunkOutputsBackwardMma uses it then.
 // SmatChunkBackwardRunsFused: whether LaunchSmatChunkOutputsBackward takes it
 // (the fast tiles on tensor cores, as chosen by SMAT_CUDA_CHUNK_TILES).
-// With `carry` (not null) D_bar holds the local part of SmatDBarCarry.
+// With `carry` (not null) D_bar holds the local part of SmatDBarCarry; with
+// `factors` (not null) and assign, gbar's column dv is read and its other
+// columns come from the factors (SmatGbarFactors).
 bool SmatChunkBackwardFusedFits(const SmatCudaDims& dims);
 bool SmatChunkBackwardRunsFused(const SmatCudaDims& dims);
-cudaError_t LaunchSmatChunkOutputsBackwardFused(const SmatCudaDims& dims, const void* phi,
-                                                const void* psi, const void* v, const float* lam,
-                                                const float* chunk_decay, const float* S_in,
-                                                const float* gbar, const float* D_bar,
-                                                float* phi_bar, float* psi_bar, float* v_bar,
-                                                bool assign, cudaStream_t stream,
-                                                const SmatDBarCarry* carry = nullptr);
+cudaError_t LaunchSmatChunkOutputsBackwardFused(
+    const SmatCudaDims& dims, const void* phi, const void* psi, const void* v, const float* lam,
+    const float* chunk_decay, const float* S_in, const float* gbar, const float* D_bar,
+    float* phi_bar, float* psi_bar, float* v_bar, bool assign, cudaStream_t stream,
+    const SmatDBarCarry* carry = nullptr, const SmatGbarFactors* factors = nullptr);
 
 // ---- smat_reads_bwd_bf16.cu -----------------------------------------------------
 

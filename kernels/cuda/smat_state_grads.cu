@@ -434,8 +434,16 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool
   dc.carry = carry;
   dc.scale = gated ? scale : nullptr;
   dc.runs = rs;
+  // With bf16 d_o, B7 takes gbar's columns < dv as d_o and 1 / den
+  // (SmatGbarFactors): one exact part in its products instead of three.
+  SmatGbarFactors gf;
+  if (do_bf16) {
+    gf.d_o = d_o;
+    gf.den = den;
+  }
   return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar, local,
-                                             phi_bar, psi_bar, v_bar, /*assign=*/true, stream, &dc);
+                                             phi_bar, psi_bar, v_bar, /*assign=*/true, stream, &dc,
+                                             &gf);
 }
 
 }  // namespace smat

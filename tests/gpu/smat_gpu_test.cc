@@ -121,6 +121,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
   SMAT_ASSERT_OK_AND_ASSIGN(SmatKernels * gk, gpu_->smat());
   int walked_cases = 0;          // cases that ran ChunkStatesAndOutputs' walk
   int fused_backward_cases = 0;  // cases that ran ChunkBackward's fused path
+  int fused_do_bf16_cases = 0;   // the same from a bf16 d_o
   for (const Case& cs : Cases()) {
     const ProblemSpec& sp = cs.spec;
     SCOPED_TRACE(CaseName(cs));
@@ -165,6 +166,12 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     pb.Put("incoming_grad", HostF32(RandomVector(b * 2 * H * r * p, 104), {b, 2, H, r, p}));
     pb.Put("suffix_in", HostF32(RandomVector(b * H, 105), {b, H}));
     pb.Put("d_o", HostF32(RandomVector(b * L * H * dv, 106), {b, L, H, dv}));
+    if (cs.bf16) {
+      // The output gradient as the trainer passes it with bf16 inputs: bf16, as o.
+      Tensor rounded;
+      const Tensor t = HostBf16(RandomVector(b * L * H * dv, 106), {b, L, H, dv}, &rounded);
+      pb.Put("d_o_bf16", rounded, t);
+    }
 
     // Runs `call` on both sides (kernels, tensor getter) and checks the status.
     auto both = [&](const char* what, const std::function<absl::Status(
@@ -479,8 +486,14 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     // B1 + B5 + B6 + B7 in one call (ChunkBackward): the CPU runs the four
     // phases (no incoming gradient, the tiles writing); the GPU runs its
     // fused path where it has one (bf16 inputs on the fused kernels), from
-    // NaN-poisoned outputs, twice for the bits.
-    {
+    // NaN-poisoned outputs, twice for the bits. With bf16 inputs also from a
+    // bf16 d_o, which B7 takes as gbar's factor (SmatGbarFactors).
+    std::vector<const char*> output_grads = {"d_o"};
+    if (cs.bf16) output_grads.push_back("d_o_bf16");
+    for (const char* d_o : output_grads) {
+      SCOPED_TRACE(d_o);
+      const bool do_bf16 = std::strcmp(d_o, "d_o_bf16") == 0;
+      const std::string what = do_bf16 ? "ChunkBackward (bf16 d_o)" : "ChunkBackward";
       const float eps = static_cast<float>(sp.eps);
       for (const char* name : {"gbar_c", "phi_bar_c", "psi_bar_c", "v_bar_c"}) {
         const int64_t width = std::strcmp(name, "gbar_c") == 0    ? p
@@ -493,7 +506,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       Tensor dbar = Tensor::Empty({b, Lc, H, r, p}, DType::kF32).value();
       Tensor sgrad = Tensor::Empty({b, 2, H, r, p}, DType::kF32).value();
       SMAT_ASSERT_OK(ck->NormalizeBackwardStates(
-          plan, span, pb.C("d_o"), pb.C("o"), pb.C("den"), eps, pb.C("phi"), pb.CU("lam"),
+          plan, span, pb.C(d_o), pb.C("o"), pb.C("den"), eps, pb.C("phi"), pb.CU("lam"),
           &pb.C("gbar_c"), gated ? &pb.C("dlam_row_c") : nullptr, &sib, nullptr));
       SMAT_ASSERT_OK(ck->ChunkScanBackward(plan, span, sib, pb.CU("chunk_decay"), Tensor(), &dbar,
                                            &sgrad, nullptr));
@@ -503,7 +516,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
           &pb.C("v_bar_c"), SmatWrite::kAssign, nullptr));
       auto fused = [&](Tensor* gbar, Tensor* dlam, Tensor* phi_bar, Tensor* psi_bar,
                        Tensor* v_bar) {
-        return gk->ChunkBackward(plan, span, pb.G("d_o"), pb.G("o"), pb.G("den"), eps, pb.G("phi"),
+        return gk->ChunkBackward(plan, span, pb.G(d_o), pb.G("o"), pb.G("den"), eps, pb.G("phi"),
                                  pb.G("psi"), pb.G("v"), pb.GU("lam"), pb.GU("chunk_decay"),
                                  pb.G("S_in"), gbar, dlam, phi_bar, psi_bar, v_bar, nullptr);
       };
@@ -511,7 +524,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
                                 fused(&pb.G("gbar_c"), gated ? &pb.G("dlam_row_c") : nullptr,
                                       &pb.G("phi_bar_c"), &pb.G("psi_bar_c"), &pb.G("v_bar_c")));
       if (ran) {
-        ++fused_backward_cases;
+        ++(do_bf16 ? fused_do_bf16_cases : fused_backward_cases);
         auto empty = [&](const Shape& shape) {
           return Tensor::Empty(shape, DType::kF32, gpu_->allocator()).value();
         };
@@ -526,11 +539,11 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
                           {"v_bar", &pb.G("v_bar_c"), &vb2}};
         if (gated) pairs.emplace_back("dlam_row", &pb.G("dlam_row_c"), &dl2);
         ExpectSameBits(*gpu_, pairs, "two ChunkBackward calls differ");
-        pb.Compare("ChunkBackward", "gbar_c", tol, true);
-        if (gated) pb.Compare("ChunkBackward", "dlam_row_c", tol, sp.eps > 0);
-        pb.Compare("ChunkBackward", "phi_bar_c", TileTol(cs.bf16, tol), true);
-        pb.Compare("ChunkBackward", "psi_bar_c", TileTol(cs.bf16, tol), true);
-        pb.Compare("ChunkBackward", "v_bar_c", TileTol(cs.bf16, tol), true);
+        pb.Compare(what, "gbar_c", tol, true);
+        if (gated) pb.Compare(what, "dlam_row_c", tol, sp.eps > 0);
+        pb.Compare(what, "phi_bar_c", TileTol(cs.bf16, tol), true);
+        pb.Compare(what, "psi_bar_c", TileTol(cs.bf16, tol), true);
+        pb.Compare(what, "v_bar_c", TileTol(cs.bf16, tol), true);
       } else {
         // Nothing written: the poisoned outputs must still be NaN.
         const Tensor x = ToHost(*gpu_, pb.G("phi_bar_c")).value();
@@ -554,6 +567,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
   if (tiles == nullptr || *tiles == '\0') {
     EXPECT_GE(walked_cases, 4) << "the walk of ChunkStatesAndOutputs ran on too few cases";
     EXPECT_GE(fused_backward_cases, 4) << "ChunkBackward's fused path ran on too few cases";
+    EXPECT_GE(fused_do_bf16_cases, 4) << "ChunkBackward's fused path ran on too few bf16 d_o";
   }
 }
 

@@ -67,11 +67,15 @@ absl::StatusOr<SmatInputs> LoadInputs(Backend& be, const SmatReferenceProblem& p
   return in;
 }
 
+// do_bf16: the GPU gets d_o as bf16 (its values must be bf16 already).
 absl::StatusOr<OpResult> RunOp(Backend& be, const SmatPlan& plan, const SmatReferenceProblem& pr,
-                               bool bf16, const std::vector<double>& d_o) {
+                               bool bf16, const std::vector<double>& d_o, bool do_bf16 = false) {
   const bool gpu = !be.device().is_cpu();
   SMAT_ASSIGN_OR_RETURN(const SmatInputs in, LoadInputs(be, pr, bf16));
-  const Tensor d_o_host = HostF32(d_o, {pr.batch, pr.T, pr.H, pr.dv});
+  const Shape do_shape = {pr.batch, pr.T, pr.H, pr.dv};
+  Tensor rounded;
+  const Tensor d_o_host =
+      do_bf16 && gpu ? HostBf16(d_o, do_shape, &rounded) : HostF32(d_o, do_shape);
   SMAT_ASSIGN_OR_RETURN(Tensor dout,
                         gpu ? ToDevice(be, d_o_host) : absl::StatusOr<Tensor>(d_o_host));
   SmatForwardOutputs fwd;
@@ -105,39 +109,51 @@ TEST_F(SmatOpGpuTest, WholeOpMatchesCpuAndReferenceAndRepeatsBitwise) {
         x = cs.bf16 ? Bf16ToFloat(FloatToBf16(static_cast<float>(x))) : static_cast<float>(x);
     }
     for (double& x : pr.logg) x = static_cast<float>(x);
-    const std::vector<double> d_o = RandomVector(sp.batch * sp.T * sp.H * sp.dv, sp.seed + 99);
-    SMAT_ASSERT_OK_AND_ASSIGN(OpResult cpu, RunOp(*cpu_, plan, pr, cs.bf16, d_o));
-    SMAT_ASSERT_OK_AND_ASSIGN(OpResult gpu, RunOp(*gpu_, plan, pr, cs.bf16, d_o));
-    SMAT_ASSERT_OK_AND_ASSIGN(OpResult again, RunOp(*gpu_, plan, pr, cs.bf16, d_o));
-    const SmatReferenceOutputs ref = SmatDenseReference(plan, pr);
-    const SmatReferenceGradients rg = SmatDenseReferenceBackward(plan, pr, d_o);
-    const std::vector<const std::vector<double>*> refs = {&ref.o, &rg.phi, &rg.psi, &rg.v,
-                                                          &rg.logg};
-    const char* names[] = {"o", "d_phi", "d_psi", "d_v", "d_logg"};
-    ASSERT_EQ(cpu.host.size(), gpu.host.size());
-    for (size_t i = 0; i < gpu.host.size(); ++i) {
-      const std::vector<double> g = Values(gpu.host[i]), c = Values(cpu.host[i]);
-      auto rel = [](const std::vector<double>& x, const std::vector<double>& ref) {
-        double err = 0.0;
-        for (size_t j = 0; j < x.size(); ++j) {
-          if (!std::isfinite(x[j])) return static_cast<double>(INFINITY);
-          err = std::max(err, std::abs(x[j] - ref[j]));
-        }
-        return err / std::max(MaxAbs(ref), kGradScaleFloor);
-      };
-      const double vs_cpu = rel(g, c), vs_ref = rel(g, *refs[i]), cpu_vs_ref = rel(c, *refs[i]);
-      std::printf("%-40s %-7s gpu-cpu %.3g  gpu-ref %.3g  cpu-ref %.3g\n", CaseName(cs).c_str(),
-                  names[i], vs_cpu, vs_ref, cpu_vs_ref);
-      const double tol = !cs.bf16         ? kF32Tol
-                         : i == 0         ? TileTol(true, kBf16OutTol)
-                         : Bf16Products() ? kBf16ProductsOpGradTol
-                                          : kBf16OpGradTol;
-      EXPECT_LE(vs_cpu, tol) << names[i];
-      EXPECT_LE(vs_ref, tol) << names[i];
-      EXPECT_GT(MaxAbs(c), 0.0) << names[i];
-      ASSERT_EQ(gpu.host[i].nbytes(), again.host[i].nbytes());
-      EXPECT_EQ(std::memcmp(gpu.host[i].raw(), again.host[i].raw(), gpu.host[i].nbytes()), 0)
-          << names[i] << ": two runs on the same inputs differ";
+    // With bf16 inputs the output gradient comes both ways: fp32, and bf16
+    // as the trainer passes it (o is bf16), which ChunkBackward's B7 takes as
+    // gbar's factor.
+    std::vector<bool> grads_bf16 = {false};
+    if (cs.bf16) grads_bf16.push_back(true);
+    for (const bool do_bf16 : grads_bf16) {
+      SCOPED_TRACE(do_bf16 ? "bf16 d_o" : "fp32 d_o");
+      std::vector<double> d_o = RandomVector(sp.batch * sp.T * sp.H * sp.dv, sp.seed + 99);
+      if (do_bf16) {
+        for (double& x : d_o) x = Bf16ToFloat(FloatToBf16(static_cast<float>(x)));
+      }
+      SMAT_ASSERT_OK_AND_ASSIGN(OpResult cpu, RunOp(*cpu_, plan, pr, cs.bf16, d_o));
+      SMAT_ASSERT_OK_AND_ASSIGN(OpResult gpu, RunOp(*gpu_, plan, pr, cs.bf16, d_o, do_bf16));
+      SMAT_ASSERT_OK_AND_ASSIGN(OpResult again, RunOp(*gpu_, plan, pr, cs.bf16, d_o, do_bf16));
+      const SmatReferenceOutputs ref = SmatDenseReference(plan, pr);
+      const SmatReferenceGradients rg = SmatDenseReferenceBackward(plan, pr, d_o);
+      const std::vector<const std::vector<double>*> refs = {&ref.o, &rg.phi, &rg.psi, &rg.v,
+                                                            &rg.logg};
+      const char* names[] = {"o", "d_phi", "d_psi", "d_v", "d_logg"};
+      ASSERT_EQ(cpu.host.size(), gpu.host.size());
+      for (size_t i = 0; i < gpu.host.size(); ++i) {
+        const std::vector<double> g = Values(gpu.host[i]), c = Values(cpu.host[i]);
+        auto rel = [](const std::vector<double>& x, const std::vector<double>& ref) {
+          double err = 0.0;
+          for (size_t j = 0; j < x.size(); ++j) {
+            if (!std::isfinite(x[j])) return static_cast<double>(INFINITY);
+            err = std::max(err, std::abs(x[j] - ref[j]));
+          }
+          return err / std::max(MaxAbs(ref), kGradScaleFloor);
+        };
+        const double vs_cpu = rel(g, c), vs_ref = rel(g, *refs[i]), cpu_vs_ref = rel(c, *refs[i]);
+        std::printf("%-40s %-7s %s d_o  gpu-cpu %.3g  gpu-ref %.3g  cpu-ref %.3g\n",
+                    CaseName(cs).c_str(), names[i], do_bf16 ? "bf16" : "fp32", vs_cpu, vs_ref,
+                    cpu_vs_ref);
+        const double tol = !cs.bf16         ? kF32Tol
+                           : i == 0         ? TileTol(true, kBf16OutTol)
+                           : Bf16Products() ? kBf16ProductsOpGradTol
+                                            : kBf16OpGradTol;
+        EXPECT_LE(vs_cpu, tol) << names[i];
+        EXPECT_LE(vs_ref, tol) << names[i];
+        EXPECT_GT(MaxAbs(c), 0.0) << names[i];
+        ASSERT_EQ(gpu.host[i].nbytes(), again.host[i].nbytes());
+        EXPECT_EQ(std::memcmp(gpu.host[i].raw(), again.host[i].raw(), gpu.host[i].nbytes()), 0)
+            << names[i] << ": two runs on the same inputs differ";
+      }
     }
   }
 }
