@@ -75,12 +75,16 @@
 // (one MMA per n8 tile and k step where three parts took three), v_bar's
 // X^T d_o with X^T's column t scaled first (kP MMAs where both split took
 // six), the query side S_in d_o_t / den_t (three where it took six). Three
-// parts: 8544 -> 5760 MMAs per chunk and head, a quarter of the gbar staging's
+// parts: 8544 -> 5760 MMAs per chunk and head, a third of the gbar staging's
 // bytes per chunk in shared memory (one plane, not three), and ChunkBackward
 // 6.47 -> 5.76-5.78 ms at the shape below (2026-12-02), its errors against the
 // CPU phases lower (v_bar 1.2e-6 -> 7.2e-7 of the largest reference). One
 // part: the same MMAs (4.13 against 4.18 ms, within the spread between runs),
-// its errors lower (psi_bar 4.6e-3 -> 3.1e-3).
+// its errors lower (psi_bar 4.6e-3 -> 3.1e-3). With gbar's planes gone, two
+// or three parts have room for S_in's own planes (kSidePlanes: 105.7 KB per
+// block with three, still two blocks per SM), so the query rows' owners add
+// the S_in side term before their one store (OwnerSide), and SideTerms keeps
+// the two key sides: ChunkBackward 5.76-5.78 -> 5.53-5.54 ms (three parts).
 //
 // Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.64 ms
 // ungated and 5.94 ms gated with the widths as constants (Block<kFull>, 72 KB
@@ -192,7 +196,7 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP, kDo>& bk, const
         MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  if constexpr (kP == 1) OwnerSide<Side::kQuery>(bk, i, hi, lo);
+  if constexpr (kP == 1 || kDo) OwnerSide<Side::kQuery>(bk, i, hi, lo);
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r(), hi, lo, phi_bar);
 }
 
@@ -473,9 +477,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       wk[kC + tid] = x;
     }
   }
-  if constexpr (kP == 1) {
-    // S_in and D_bar (with its carry) as bf16 planes for OwnerSide: row n <
-    // r, columns k < dv, a column pair per thread and step; zero elsewhere.
+  if constexpr (kSidePlanes < kP, kDo >> 0) {
+    // The side planes for OwnerSide: one part, S_in and D_bar (with its
+    // carry) as one bf16 plane each; kDo with kP parts, S_in in its kP. Row
+    // n < r, columns k < dv, a column pair per thread and step; zero
+    // elsewhere.
+    constexpr int kMats = kP == 1 ? 2 : 1;
     __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(tiles) +
                                                                    kSideOffsetBytes<kP, kDo>);
     const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
@@ -485,8 +492,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     carried(&Dc, &dscale);
     // kBatch pairs' loads (and their carries') issue before the first is
     // used: one memory latency per batch, not per pair.
-    constexpr int kPairs = kLd / 2, kItems = 2 * kW * kPairs / kThreads, kBatch = 6;
-    static_assert(2 * kW * kPairs % kThreads == 0 && kItems % kBatch == 0, "whole batches");
+    constexpr int kPairs = kLd / 2, kItems = kMats * kW * kPairs / kThreads;
+    constexpr int kBatch = kMats == 2 ? 6 : kItems;
+    static_assert(kMats * kW * kPairs % kThreads == 0 && kItems % kBatch == 0, "whole batches");
     for (int i0 = 0; i0 < kItems; i0 += kBatch) {
       float x[kBatch][2], y[kBatch][2];
 #pragma unroll
@@ -509,8 +517,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           x[u][0] = fmaf(dscale, y[u][0], x[u][0]);
           x[u][1] = fmaf(dscale, y[u][1], x[u][1]);
         }
-        *reinterpret_cast<__nv_bfloat162*>(&planes[q * kSidePlane + n * kLd + c]) =
-            __floats2bfloat162_rn(x[u][0], x[u][1]);
+        StoreSplitPair<kP>(&planes[q * kSidePlane + n * kLd + c], kSidePlane, x[u][0], x[u][1]);
       }
     }
   }
@@ -551,7 +558,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   if constexpr (kP == 1) return;  // the owners added the side terms (OwnerSide)
   // The side terms add to rows that other warps' causal sums wrote. Their
   // matrices come through shared memory, into phi's tile, which they do not
-  // read: D_bar for the two key sides, then S_in for the query side.
+  // read: D_bar for the two key sides, then S_in for the query side (kDo:
+  // the query rows' owners added it).
   float* const side = reinterpret_cast<float*>(tiles + kPhi * kTile);
   static_assert(kW * (kW + 1) * 4 <= kTile * 2, "S_in or D_bar fits phi's tile");
   __syncthreads();
@@ -564,6 +572,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   SideTerms<Side::kKeyPsi>(bk, d, b, h, c0, w, side, psi_bar);
   SideTerms<Side::kKeyV>(bk, d, b, h, c0, w, side, v_bar);
+  if constexpr (kDo) return;
   __syncthreads();
   StageSide(Sk, r * p, side);
   __syncthreads();

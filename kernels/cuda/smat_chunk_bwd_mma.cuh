@@ -42,13 +42,19 @@ template <bool kDo = false>
 constexpr int kTokenFloats = 6 * kC + 2 * kW + kBlocks* kBlocks + (kDo ? kC : 0);
 // With one part (kP = 1) S_in and D_bar also wait as bf16 planes [kW][kLd]
 // (columns < dv, rows < r; zero elsewhere) after the per-token arrays, for the
-// side terms of the rows' owners (OwnerSide).
+// side terms of the rows' owners (OwnerSide); with more parts and kDo, S_in
+// alone in its kP planes, for the query rows' owners.
 constexpr int kSidePlane = kW * kLd;  // bf16 elements of one side plane
+template <int kP, bool kDo>
+constexpr int kSidePlanes = kP == 1 ? 2
+                            : kDo   ? kP
+                                    : 0;
 template <int kP, bool kDo = false>
 constexpr int kSideOffsetBytes = kTiles<kP, kDo>* kTile * 2 + kTokenFloats<kDo> * 4;
 template <int kP, bool kDo = false>
-constexpr int kSmemBytes = kSideOffsetBytes<kP, kDo> + (kP == 1 ? 2 * kSidePlane * 2 : 0);
-static_assert(kSideOffsetBytes<1> % 16 == 0 && kSideOffsetBytes<1, true> % 16 == 0,
+constexpr int kSmemBytes = kSideOffsetBytes<kP, kDo> + kSidePlanes<kP, kDo>* kSidePlane * 2;
+static_assert(kSideOffsetBytes<1> % 16 == 0 && kSideOffsetBytes<1, true> % 16 == 0 &&
+                  kSideOffsetBytes<3, true> % 16 == 0,
               "the side planes are 16-byte aligned");
 
 // The block's shared memory: bf16 tiles, then the fp32 per-token arrays.
@@ -95,7 +101,7 @@ struct Block : mma_tiles::TileWidths<kFull> {
   __device__ uint32_t Addr(int tile, int row, int col, int off) const {
     return base + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
   }
-  // The same in side plane q (0: S_in, 1: D_bar; kP = 1 only).
+  // The same in side plane q (kP = 1: 0 S_in, 1 D_bar; kDo: S_in's part q).
   __device__ uint32_t SideAddr(int q, int row, int col, int off) const {
     return base + static_cast<uint32_t>(kSideOffsetBytes<kP, kDo>) +
            2u * static_cast<uint32_t>(q * kSidePlane + row * kLd + col + off);
@@ -378,13 +384,26 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP, kDo>& bk, const
 //   key v (D):     hi += w_s sum_{k < r} psi_s[k] D[k][n]
 // so the outputs are written once, with no pass over them after the causal
 // sums (the column blocks of SideTerms read back what the owners wrote).
-template <Side kSide, bool kFull, bool kDo>
-__device__ __forceinline__ void OwnerSide(const Block<kFull, 1, kDo>& bk, int i, float (&hi)[8][4],
+// kDo with kP parts: the query side the same way from S_in's kP planes and
+// d_o (gbar_t[k] = d_o_t[k] / den_t), the causal sum's lo first added to hi,
+// every term of the side's products into lo, the smallest first.
+template <Side kSide, bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void OwnerSide(const Block<kFull, kP, kDo>& bk, int i, float (&hi)[8][4],
                                           float (&lo)[8][4]) {
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
+  static_assert(kP == 1 || (kDo && kQuery), "more parts: the query side by d_o only");
   const int width = kKeyV ? bk.dv() : bk.r();
   const int ksteps = kKeyV ? bk.kr() : bk.kd();
   const int q = kQuery ? 0 : 1;
+  if constexpr (kP > 1) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        hi[nt][e] += lo[nt][e];
+        lo[nt][e] = 0.f;
+      }
+  }
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     if (ks >= ksteps) continue;
@@ -397,14 +416,25 @@ __device__ __forceinline__ void OwnerSide(const Block<kFull, 1, kDo>& bk, int i,
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (16 * np >= width) continue;
-      uint32_t bp[4];
-      if (kKeyV) {
-        Ldsm4T(bp, bk.SideAddr(q, 16 * ks, 16 * np, bk.off_bt));  // B(k, n) = D[k][n]
-      } else {
-        Ldsm4(bp, bk.SideAddr(q, 16 * np, 16 * ks, bk.off_bn));  // B(k, n) = M[n][k]
+      uint32_t bp[kP][4];
+#pragma unroll
+      for (int u = 0; u < kP; ++u) {
+        if (kKeyV) {
+          Ldsm4T(bp[u], bk.SideAddr(q + u, 16 * ks, 16 * np, bk.off_bt));  // B(k, n) = D[k][n]
+        } else {
+          Ldsm4(bp[u], bk.SideAddr(q + u, 16 * np, 16 * ks, bk.off_bn));  // B(k, n) = M[n][k]
+        }
       }
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) Mma(lo[2 * np + h2], a[0], bp[2 * h2], bp[2 * h2 + 1]);
+      for (int h2 = 0; h2 < 2; ++h2) {
+        uint32_t bb[kP][2];
+#pragma unroll
+        for (int u = 0; u < kP; ++u) {
+          bb[u][0] = bp[u][2 * h2];
+          bb[u][1] = bp[u][2 * h2 + 1];
+        }
+        Mma1xP<kP>(lo[2 * np + h2], lo[2 * np + h2], a[0], bb);
+      }
     }
   }
   const float* wrow = kQuery ? bk.wq() : bk.wk();
