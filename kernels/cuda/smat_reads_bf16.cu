@@ -42,9 +42,6 @@ namespace smat {
 namespace {
 
 using namespace reads_bf16;  // NOLINT: the read kernels' shared pieces
-using fast_tiles::Aligned16;
-using mma_tiles::CpAsyncWaitAll;
-using mma_tiles::SmemAddr;
 
 // Token planes per kind: phi; v then psi; gbar in three parts.
 constexpr int TokenPlanes(SmatReadKind kind) {

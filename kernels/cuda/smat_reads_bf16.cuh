@@ -46,8 +46,11 @@ namespace smat {
 namespace reads_bf16 {
 
 using cuda_detail::TokenRow;
+using fast_tiles::Aligned16;
+using mma_tiles::CpAsyncWaitAll;
 using mma_tiles::Ldsm4;
 using mma_tiles::Ldsm4T;
+using mma_tiles::SmemAddr;
 
 constexpr int kThreads = 256;
 constexpr int kC = 128;  // tokens staged at a time

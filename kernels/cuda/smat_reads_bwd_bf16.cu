@@ -31,9 +31,6 @@ namespace smat {
 namespace {
 
 using namespace reads_bf16;  // NOLINT: the read kernels' shared pieces
-using fast_tiles::Aligned16;
-using mma_tiles::CpAsyncWaitAll;
-using mma_tiles::SmemAddr;
 
 // gbar's loads in flight per thread as it is split beside U_bar's
 // accumulators: a third of a tile's.
