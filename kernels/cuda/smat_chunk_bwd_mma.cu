@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       wk[kC + tid] = x;
     }
   }
-  if constexpr (kSidePlanes < kP, kDo >> 0) {
+  if constexpr (kSidePlanes<kP, kDo> != 0) {
     // The side planes for OwnerSide: one part, S_in and D_bar (with its
     // carry) as one bf16 plane each; kDo with kP parts, S_in in its kP. Row
     // n < r, columns k < dv, a column pair per thread and step; zero
