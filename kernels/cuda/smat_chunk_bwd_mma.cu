@@ -572,11 +572,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   SideTerms<Side::kKeyPsi>(bk, d, b, h, c0, w, side, psi_bar);
   SideTerms<Side::kKeyV>(bk, d, b, h, c0, w, side, v_bar);
-  if constexpr (kDo) return;
-  __syncthreads();
-  StageSide(Sk, r * p, side);
-  __syncthreads();
-  SideTerms<Side::kQuery>(bk, d, b, h, c0, w, side, phi_bar);
+  if constexpr (!kDo) {
+    __syncthreads();
+    StageSide(Sk, r * p, side);
+    __syncthreads();
+    SideTerms<Side::kQuery>(bk, d, b, h, c0, w, side, phi_bar);
+  }
 }
 
 template <bool kGated, bool kAssign, int kP, bool kDo>

@@ -192,8 +192,8 @@ __device__ __forceinline__ void StoreRows(const Block<kFull, kP, kDo>& bk, const
 //   phi_bar_t += wq_t (sum_{k < dv} gbar_t[k] S[n][k] + gbar_t[dv] S[n][dv])
 //   psi_bar_s += w_s (sum_{k < dv} D[n][k] v_s[k] + D[n][dv])
 //   v_bar_s   += w_s sum_{k < r} psi_s[k] D[k][n]
-// (kDo: the first sum as (sum_{k < dv} d_o_t[k] S[n][k]) / den_t).
-// kSide: which of the three. The B fragments of the warp's two n8 tiles stay
+// kSide: which of the three (the query side not with kDo: its rows' owners
+// add it, OwnerSide). The B fragments of the warp's two n8 tiles stay
 // in registers (kP parts x 4 k-steps); one 16-row block at a time, the next
 // block's old values loading while its products run (B7 4.91-4.94 -> 4.70-4.74
 // ms; they waited before the products). Against 8 columns of all 128 tokens per
@@ -245,6 +245,7 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP, kDo>& bk, const
                                           float* __restrict__ out) {
   const int g = bk.g, tq = bk.tq;
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
+  static_assert(!(kQuery && kDo), "with kDo the query rows' owners add the query side");
   const int width = kKeyV ? bk.dv() : bk.r();
   const int n0 = 16 * (w & 3), i_first = 4 * (w >> 2);
   if (n0 >= width || i_first >= bk.nb) return;
@@ -329,17 +330,11 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP, kDo>& bk, const
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks >= ksteps) continue;
-      if (kQuery) {
-        uint32_t a[Block<kFull, kP, kDo>::kGP][4];
+      if constexpr (kQuery) {
+        uint32_t a[kP][4];
         bk.LoadG(a, 16 * i, 16 * ks, bk.off_a);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          if constexpr (kDo) {
-            Mma1xP<kP>(hi[nt], lo[nt], a[0], bs[ks][nt]);
-          } else {
-            MmaPxP<kP>(hi[nt], lo[nt], a, bs[ks][nt]);
-          }
-        }
+        for (int nt = 0; nt < 2; ++nt) MmaPxP<kP>(hi[nt], lo[nt], a, bs[ks][nt]);
       } else {
         uint32_t a[4];
         Ldsm4(a, bk.Addr(a_tile, 16 * i, 16 * ks, bk.off_a));
@@ -358,8 +353,7 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP, kDo>& bk, const
         float y[2];
 #pragma unroll
         for (int e1 = 0; e1 < 2; ++e1) {
-          float sum = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
-          if (kDo && kQuery) sum *= bk.gs()[m];  // d_o_t's product, divided by den_t
+          const float sum = hi[nt][2 * hr + e1] + lo[nt][2 * hr + e1];
           const float side = kQuery ? fmaf(bk.gcol()[m], extra[nt][e1], sum) : sum + extra[nt][e1];
           y[e1] = old[hr][nt][e1] + wrow[m] * side;
         }

@@ -343,7 +343,7 @@ struct SmatDBarCarry {
 // gbar's columns < dv by their factors, gbar_t[0:dv] = d_o_t / den_t (B1):
 // d_o's bf16 rows [batch, L, H, dv] and den [batch, L, H]. B7 then takes d_o
 // as one exact bf16 part where it took gbar in kP, and divides by den_t in
-// fp32 (SmatChunkBackward passes them where d_o is bf16).
+// fp32 (LaunchSmatChunkBackward passes them where d_o is bf16).
 struct SmatGbarFactors {
   const void* d_o = nullptr;
   const float* den = nullptr;
