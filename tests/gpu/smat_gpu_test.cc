@@ -165,11 +165,12 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     pb.Put("incoming", HostF32(RandomVector(b * 2 * H * r * p, 103), {b, 2, H, r, p}));
     pb.Put("incoming_grad", HostF32(RandomVector(b * 2 * H * r * p, 104), {b, 2, H, r, p}));
     pb.Put("suffix_in", HostF32(RandomVector(b * H, 105), {b, H}));
-    pb.Put("d_o", HostF32(RandomVector(b * L * H * dv, 106), {b, L, H, dv}));
+    const std::vector<double> d_o = RandomVector(b * L * H * dv, 106);
+    pb.Put("d_o", HostF32(d_o, {b, L, H, dv}));
     if (cs.bf16) {
       // The output gradient as the trainer passes it with bf16 inputs: bf16, as o.
       Tensor rounded;
-      const Tensor t = HostBf16(RandomVector(b * L * H * dv, 106), {b, L, H, dv}, &rounded);
+      const Tensor t = HostBf16(d_o, {b, L, H, dv}, &rounded);
       pb.Put("d_o_bf16", rounded, t);
     }
 
@@ -490,9 +491,9 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     // bf16 d_o, which B7 takes as gbar's factor (SmatGbarFactors).
     std::vector<const char*> output_grads = {"d_o"};
     if (cs.bf16) output_grads.push_back("d_o_bf16");
-    for (const char* d_o : output_grads) {
-      SCOPED_TRACE(d_o);
-      const bool do_bf16 = std::strcmp(d_o, "d_o_bf16") == 0;
+    for (const char* grad : output_grads) {
+      SCOPED_TRACE(grad);
+      const bool do_bf16 = std::strcmp(grad, "d_o_bf16") == 0;
       const std::string what = do_bf16 ? "ChunkBackward (bf16 d_o)" : "ChunkBackward";
       const float eps = static_cast<float>(sp.eps);
       for (const char* name : {"gbar_c", "phi_bar_c", "psi_bar_c", "v_bar_c"}) {
@@ -506,7 +507,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       Tensor dbar = Tensor::Empty({b, Lc, H, r, p}, DType::kF32).value();
       Tensor sgrad = Tensor::Empty({b, 2, H, r, p}, DType::kF32).value();
       SMAT_ASSERT_OK(ck->NormalizeBackwardStates(
-          plan, span, pb.C(d_o), pb.C("o"), pb.C("den"), eps, pb.C("phi"), pb.CU("lam"),
+          plan, span, pb.C(grad), pb.C("o"), pb.C("den"), eps, pb.C("phi"), pb.CU("lam"),
           &pb.C("gbar_c"), gated ? &pb.C("dlam_row_c") : nullptr, &sib, nullptr));
       SMAT_ASSERT_OK(ck->ChunkScanBackward(plan, span, sib, pb.CU("chunk_decay"), Tensor(), &dbar,
                                            &sgrad, nullptr));
@@ -516,7 +517,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
           &pb.C("v_bar_c"), SmatWrite::kAssign, nullptr));
       auto fused = [&](Tensor* gbar, Tensor* dlam, Tensor* phi_bar, Tensor* psi_bar,
                        Tensor* v_bar) {
-        return gk->ChunkBackward(plan, span, pb.G(d_o), pb.G("o"), pb.G("den"), eps, pb.G("phi"),
+        return gk->ChunkBackward(plan, span, pb.G(grad), pb.G("o"), pb.G("den"), eps, pb.G("phi"),
                                  pb.G("psi"), pb.G("v"), pb.GU("lam"), pb.GU("chunk_decay"),
                                  pb.G("S_in"), gbar, dlam, phi_bar, psi_bar, v_bar, nullptr);
       };
