@@ -59,4 +59,14 @@ cudaError_t LaunchSmatReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups&
                                 const float* g, const SmatTokenWeights& w, float* out_p,
                                 float* out_r, float* out_v, bool assign_p, cudaStream_t stream);
 
+// kVecMat (TypeReads) at r = dv = 64 with each group's matrix held in
+// registers (smat_reads_held_bf16.cu): bf16 a with 16-byte aligned rows,
+// c <= 128. LaunchSmatReadsBf16 runs it where its blocks hold a whole tile
+// of tokens on average.
+bool SmatHeldReadsFit(const SmatCudaDims& dims, const void* a);
+cudaError_t LaunchSmatHeldReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                    int segments, const float* M, const SmatMatrixLayout& m_layout,
+                                    const void* a, const SmatTokenWeights& w, float* out_p,
+                                    bool assign_p, cudaStream_t stream);
+
 }  // namespace smat

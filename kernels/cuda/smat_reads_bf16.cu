@@ -262,8 +262,13 @@ cudaError_t LaunchWith(const SmatCudaDims& d, const SmatTokenGroups& groups, int
     // T = 524288, 8 heads, 2026-12-01, TypeReads (=) at d = 2 (252 tokens per
     // block) 0.76 -> 0.64 ms; at d = 3, whose many small groups make each
     // block's staging of M the larger part, 0.76 -> 0.91 ms at three blocks
-    // per SM, so it keeps four.
+    // per SM, so it keeps four. At r = dv = 64 the kernel that holds M in
+    // registers (smat_reads_held_bf16.cu) takes the same cases: 0.62 -> 0.35
+    // ms at d = 2 (2026-12-02).
     const int64_t blocks = int64_t{groups.num_groups} * segments;
+    if (groups.end - groups.begin >= kC * blocks && SmatHeldReadsFit(d, a)) {
+      return LaunchSmatHeldReadsBf16(d, groups, segments, M, lay, a, w, out_p, assign_p, stream);
+    }
     if (d.p % 2 != 0 && groups.end - groups.begin >= kC * blocks) {
       return LaunchKernel<kRead, true, kMP>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
                                             out_v, assign_p, stream);

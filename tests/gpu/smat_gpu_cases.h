@@ -170,6 +170,11 @@ inline std::vector<Case> Cases() {
   // Positional d = 1 through the whole op: one causal block (SmatOpPlan), so
   // the walk covers every chunk in one part and reads nothing.
   add(1, 2000, 2, 64, 64, 1, 128, false, false, 0.0, true, 0, 23);
+  // TypeReads with the type table held in registers (smat_reads_held_bf16.cu:
+  // r = dv = 64, a whole tile of tokens per block on average): d = 2 with
+  // more than 128 tokens of each type (q = 137), an odd T and a span inside
+  // the sequence.
+  add(1, 36001, 2, 64, 64, 2, 128, false, false, 0.0, true, 384, 24);
   return cs;
 }
 
