@@ -72,7 +72,8 @@ constexpr int kOffT = kOffMc + kW * 4;
 constexpr int kOffRows = kOffT + 2 * kTokPlane * 2;
 constexpr int kOffW = kOffRows + 2 * kC * 8;
 constexpr int kSmemBytes = kOffW + 2 * kC * 4;
-static_assert(kOffT % 16 == 0 && kOffRows % 16 == 0, "16-byte aligned planes and rows");
+static_assert(kOffMc % 16 == 0 && kOffT % 16 == 0 && kOffRows % 16 == 0,
+              "16-byte aligned M[:, 64] (read as float4), planes and rows");
 
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void CpAsyncWaitOlder() {
