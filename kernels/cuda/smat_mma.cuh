@@ -55,6 +55,15 @@ __device__ __forceinline__ void CpAsyncWaitAll() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
+// Two stages in flight: the copies issued so far as one group, and a wait
+// for every group but the newest.
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void CpAsyncWaitOlder() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
 // Four 8 x 8 bf16 matrices; lanes 8 i .. 8 i + 7 address the rows of matrix i.
 __device__ __forceinline__ void Ldsm4(uint32_t (&x)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -201,7 +210,7 @@ __device__ __forceinline__ uint32_t Pack(__nv_bfloat162 h) {
 
 // The three bf16 parts of the pair (x0, x1), x0 in the low half.
 __device__ __forceinline__ void Split3(float x0, float x1, uint32_t& p1, uint32_t& p2,
-                                      uint32_t& p3) {
+                                       uint32_t& p3) {
   const __nv_bfloat162 h1 = __floats2bfloat162_rn(x0, x1);
   const float r0 = x0 - __low2float(h1), r1 = x1 - __high2float(h1);  // exact
   const __nv_bfloat162 h2 = __floats2bfloat162_rn(r0, r1);

@@ -48,6 +48,8 @@ namespace smat {
 namespace {
 
 using namespace reads_bf16;  // NOLINT: the read kernels' shared pieces
+using mma_tiles::CpAsyncCommit;
+using mma_tiles::CpAsyncWaitOlder;
 
 constexpr int kP = kW + 1;  // M's columns: dv = 64 and the denominator's
 constexpr int kLdY = 68;    // fp32 pitch of a staged output row: the fragments' stores
@@ -74,11 +76,6 @@ constexpr int kOffW = kOffRows + 2 * kC * 8;
 constexpr int kSmemBytes = kOffW + 2 * kC * 4;
 static_assert(kOffMc % 16 == 0 && kOffT % 16 == 0 && kOffRows % 16 == 0,
               "16-byte aligned M[:, 64] (read as float4), planes and rows");
-
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void CpAsyncWaitOlder() {
-  asm volatile("cp.async.wait_group 1;\n" ::);  // all but the newest group
-}
 
 // The rows and weights of the tile at list position j0 (nt tokens) into one
 // buffer; the caller puts a barrier before they are read.
