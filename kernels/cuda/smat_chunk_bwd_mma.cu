@@ -85,6 +85,14 @@
 // block with three, still two blocks per SM), so the query rows' owners add
 // the S_in side term before their one store (OwnerSide), and SideTerms keeps
 // the two key sides: ChunkBackward 5.76-5.78 -> 5.53-5.54 ms (three parts).
+// Then the key sides too, with D_bar's kP planes in the same region: the
+// block stages D_bar's planes, every warp runs its psi_bar and v_bar rows
+// (adding the D_bar side before each store) and then its query rows' causal
+// sum, a block barrier, S_in's planes over D_bar's, a barrier, and the query
+// rows' side and store. No pass reads an output back: ChunkBackward 5.53 ->
+// 4.93-4.96 ms (three parts), 5.38 -> 4.54 ms (two), at the shape below
+// (2026-12-02). Both matrices' planes at once would take 133 KB, one block
+// per SM.
 //
 // Speed (H200, r = dv = 64, c = 128, T = 524288, 8 heads, 2026-12-01): 5.64 ms
 // ungated and 5.94 ms gated with the widths as constants (Block<kFull>, 72 KB
@@ -123,13 +131,12 @@ using cuda_detail::TokenRow;
 using namespace mma_tiles;      // NOLINT: the tensor-core pieces are this file's vocabulary
 using namespace chunk_bwd_mma;  // NOLINT: the kernel's shared pieces
 
-// phi_bar rows t of block i += the causal sum (kAssign: =).
-template <bool kGated, bool kAssign, bool kFull, int kP, bool kDo>
-__device__ __forceinline__ void QueryRows(const Block<kFull, kP, kDo>& bk, const SmatCudaDims& d,
-                                          int b, int h, int64_t c0, int i,
-                                          float* __restrict__ phi_bar) {
+// The causal sum of phi_bar's rows t of block i into hi + lo (the kernel
+// adds the side term and stores them).
+template <bool kGated, bool kFull, int kP, bool kDo>
+__device__ __forceinline__ void QuerySums(const Block<kFull, kP, kDo>& bk, int i, float (&hi)[8][4],
+                                          float (&lo)[8][4]) {
   const int g = bk.g, tq = bk.tq, r = bk.r();
-  float hi[8][4], lo[8][4];
   constexpr int kGP = Block<kFull, kP, kDo>::kGP;
   float gc[2], gm[2], lt[2], rt[2];
 #pragma unroll
@@ -196,8 +203,6 @@ __device__ __forceinline__ void QueryRows(const Block<kFull, kP, kDo>& bk, const
         MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  if constexpr (kP == 1 || kDo) OwnerSide<Side::kQuery>(bk, i, hi, lo);
-  StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * i, 0, r, bk.pairs_r(), hi, lo, phi_bar);
 }
 
 // A key-row tile X^T[s, t] (rows s of block j: ls = lam_s; columns t of
@@ -288,7 +293,7 @@ __device__ __forceinline__ void KeyRowsPsi(const Block<kFull, kP, kDo>& bk, cons
         MmaPx1<kP>(hi[2 * np + h2], lo[2 * np + h2], xa, bp[2 * h2], bp[2 * h2 + 1]);
     }
   }
-  if constexpr (kP == 1) OwnerSide<Side::kKeyPsi>(bk, j, hi, lo);
+  if constexpr (kSidePlanes<kP, kDo> != 0) OwnerSide<Side::kKeyPsi>(bk, j, hi, lo);
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, r, bk.pairs_r(), hi, lo, psi_bar);
 }
 
@@ -367,8 +372,59 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP, kDo>& bk, const 
       }
     }
   }
-  if constexpr (kP == 1) OwnerSide<Side::kKeyV>(bk, j, hi, lo);
+  if constexpr (kSidePlanes<kP, kDo> != 0) OwnerSide<Side::kKeyV>(bk, j, hi, lo);
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, dv, bk.pairs_v(), hi, lo, v_bar);
+}
+
+// The column pairs (n, n + 1) of the side planes per thread, for kMats
+// matrices.
+template <int kMats>
+constexpr int kSideItems = kMats* kW*(kLd / 2) / kThreads;
+static_assert(kW * (kLd / 2) % kThreads == 0, "whole items per thread");
+
+// Side planes for OwnerSide: kMats r x p matrices (row-major, fp32; kMats = 2:
+// S then D, 1: D) split into kP bf16 planes each (planes q kP .. q kP + kP - 1
+// for matrix q), row n < r, columns k < dv, zero elsewhere. D comes with its
+// carry where Dc is not null (D + dscale Dc, SmatDBarCarry). A column pair per
+// thread and item; each batch of kBatch items issues all its loads first (one
+// memory latency per batch, not per pair), and between() runs after the
+// first batch's loads and before its stores.
+template <int kP, int kMats, int kBatch, typename Between>
+__device__ __forceinline__ void StageSidePlanes(const float* __restrict__ S,
+                                                const float* __restrict__ D,
+                                                const float* __restrict__ Dc, float dscale, int r,
+                                                int dv, int p, __nv_bfloat16* planes,
+                                                Between&& between) {
+  constexpr int kPairs = kLd / 2, kItems = kSideItems<kMats>;
+  static_assert(kItems % kBatch == 0, "whole batches");
+  const int tid = threadIdx.x;
+  for (int i0 = 0; i0 < kItems; i0 += kBatch) {
+    float x[kBatch][2], y[kBatch][2];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
+      const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
+      const bool is_d = kMats == 1 || q == 1;
+#pragma unroll
+      for (int v2 = 0; v2 < 2; ++v2) {
+        const bool in = n < r && c + v2 < dv;
+        const int64_t at = in ? static_cast<int64_t>(n) * p + c + v2 : 0;
+        x[u][v2] = in ? __ldg(&(is_d ? D : S)[at]) : 0.f;
+        y[u][v2] = is_d && in && Dc != nullptr ? __ldg(&Dc[at]) : 0.f;
+      }
+    }
+    if (i0 == 0) between();
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
+      const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
+      if ((kMats == 1 || q == 1) && Dc != nullptr) {
+        x[u][0] = fmaf(dscale, y[u][0], x[u][0]);
+        x[u][1] = fmaf(dscale, y[u][1], x[u][1]);
+      }
+      StoreSplitPair<kP>(&planes[q * kP * kSidePlane + n * kLd + c], kSidePlane, x[u][0], x[u][1]);
+    }
+  }
 }
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes<kP, kDo> of shared memory.
@@ -477,48 +533,21 @@ __global__ void __launch_bounds__(kThreads, 2)
       wk[kC + tid] = x;
     }
   }
+  const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
+  const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
+  __nv_bfloat16* const planes =
+      reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(tiles) + kSideOffsetBytes<kP, kDo>);
   if constexpr (kSidePlanes<kP, kDo> != 0) {
     // The side planes for OwnerSide: one part, S_in and D_bar (with its
-    // carry) as one bf16 plane each; kDo with kP parts, S_in in its kP. Row
-    // n < r, columns k < dv, a column pair per thread and step; zero
-    // elsewhere.
-    constexpr int kMats = kP == 1 ? 2 : 1;
-    __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(tiles) +
-                                                                   kSideOffsetBytes<kP, kDo>);
-    const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
-    const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
+    // carry) as one bf16 plane each; kDo with kP parts, D_bar in its kP for
+    // the key rows' owners (S_in follows, over them, for the query rows').
     const float* Dc;
     float dscale;
     carried(&Dc, &dscale);
-    // kBatch pairs' loads (and their carries') issue before the first is
-    // used: one memory latency per batch, not per pair.
-    constexpr int kPairs = kLd / 2, kItems = kMats * kW * kPairs / kThreads;
-    constexpr int kBatch = kMats == 2 ? 6 : kItems;
-    static_assert(kMats * kW * kPairs % kThreads == 0 && kItems % kBatch == 0, "whole batches");
-    for (int i0 = 0; i0 < kItems; i0 += kBatch) {
-      float x[kBatch][2], y[kBatch][2];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
-        const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
-#pragma unroll
-        for (int v2 = 0; v2 < 2; ++v2) {
-          const bool in = n < r && c + v2 < dv;
-          const int64_t at = in ? static_cast<int64_t>(n) * p + c + v2 : 0;
-          x[u][v2] = in ? __ldg(&(q == 0 ? Sk : Dk)[at]) : 0.f;
-          y[u][v2] = q == 1 && in && Dc != nullptr ? __ldg(&Dc[at]) : 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
-        const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
-        if (q == 1 && Dc != nullptr) {
-          x[u][0] = fmaf(dscale, y[u][0], x[u][0]);
-          x[u][1] = fmaf(dscale, y[u][1], x[u][1]);
-        }
-        StoreSplitPair<kP>(&planes[q * kSidePlane + n * kLd + c], kSidePlane, x[u][0], x[u][1]);
-      }
+    if constexpr (kP == 1) {
+      StageSidePlanes<kP, 2, 6>(Sk, Dk, Dc, dscale, r, dv, p, planes, [] {});
+    } else {
+      StageSidePlanes<kP, 1, kSideItems<1>>(nullptr, Dk, Dc, dscale, r, dv, p, planes, [] {});
     }
   }
   if (vec_in) CpAsyncWaitAll();
@@ -543,36 +572,61 @@ __global__ void __launch_bounds__(kThreads, 2)
   bk.off_bn = ((bk.lane & 7) + ((bk.lane >> 4) << 3)) * kLd + ((bk.lane >> 3) & 1) * 8;
   bk.off_bt = ((bk.lane & 7) + ((bk.lane >> 3) & 1) * 8) * kLd + (bk.lane >> 4) * 8;
 
-  const float* Sk = S_in + crow * static_cast<int64_t>(r) * p;
-  const float* Dk = D_bar + crow * static_cast<int64_t>(r) * p;
   const int w = tid >> 5;
-  // The row blocks of warp w: query rows (w + 4) % 8 (a causal sum over
-  // (w + 4) % 8 + 1 key blocks), psi_bar rows 2 (w % 4) + w / 4 and v_bar
-  // rows 7 - w (8 - j query blocks for key rows j). At 48 MMAs per block of
-  // a query or psi_bar sum and 56 per block of a v_bar sum, each warp issues
-  // 664-704 MMAs of a full chunk's causal sums (the mean: 684).
+  // The row blocks of warp w: psi_bar rows 2 (w % 4) + w / 4, v_bar rows
+  // 7 - w (8 - j query blocks for key rows j) and query rows (w + 4) % 8 (a
+  // causal sum over (w + 4) % 8 + 1 key blocks): 13 or 14 score tiles and
+  // their products per warp of a full chunk. The query rows come last: with
+  // kP > 1 parts and kDo their side plane (S_in) replaces D_bar's once every
+  // warp has added the key sides.
   const int qi = (w + 4) & 7, pj = 2 * (w & 3) + (w >> 2), vj = 7 - w;
-  if (qi < bk.nb) QueryRows<kGated, kAssign>(bk, d, b, h, c0, qi, phi_bar);
   if (pj < bk.nb) KeyRowsPsi<kGated, kAssign>(bk, d, b, h, c0, pj, psi_bar);
   if (vj < bk.nb) KeyRowsV<kGated, kAssign>(bk, d, b, h, c0, vj, v_bar);
-  if constexpr (kP == 1) return;  // the owners added the side terms (OwnerSide)
-  // The side terms add to rows that other warps' causal sums wrote. Their
-  // matrices come through shared memory, into phi's tile, which they do not
-  // read: D_bar for the two key sides, then S_in for the query side (kDo:
-  // the query rows' owners added it).
-  float* const side = reinterpret_cast<float*>(tiles + kPhi * kTile);
-  static_assert(kW * (kW + 1) * 4 <= kTile * 2, "S_in or D_bar fits phi's tile");
-  __syncthreads();
-  {
-    const float* Dc;
-    float dscale;
-    carried(&Dc, &dscale);
-    StageSide(Dk, r * p, side, Dc, dscale);
+  if constexpr (kP > 1 && kDo) {
+    // S_in's rows on their way to L2 while the query sums run (a warp per
+    // eighth of the 128-byte lines): its staging below then waits on L2, not
+    // on memory.
+    const int n = r * p, lines = (n + 31) / 32, line = w + (kThreads / 32) * bk.lane;
+    if (line < lines) asm volatile("prefetch.global.L2 [%0];" ::"l"(Sk + 32 * line));
   }
-  __syncthreads();
-  SideTerms<Side::kKeyPsi>(bk, d, b, h, c0, w, side, psi_bar);
-  SideTerms<Side::kKeyV>(bk, d, b, h, c0, w, side, v_bar);
-  if constexpr (!kDo) {
+  float hi[8][4], lo[8][4];
+  if (qi < bk.nb) QuerySums<kGated>(bk, qi, hi, lo);
+  if constexpr (kP > 1 && kDo) {
+    // The sum's correction terms folded in now, as OwnerSide would first:
+    // half the registers held across the restaging (holding S_in's loads
+    // across the barrier as well spills).
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        hi[nt][e] += lo[nt][e];
+        lo[nt][e] = 0.f;
+      }
+    __syncthreads();
+    StageSidePlanes<kP, 1, 3>(nullptr, Sk, nullptr, 1.f, r, dv, p, planes, [] {});
+    __syncthreads();
+  }
+  if (qi < bk.nb) {
+    if constexpr (kSidePlanes<kP, kDo> != 0) OwnerSide<Side::kQuery>(bk, qi, hi, lo);
+    StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * qi, 0, r, bk.pairs_r(), hi, lo, phi_bar);
+  }
+  if constexpr (kSidePlanes<kP, kDo> == 0) {
+    // No side planes (gbar in kP parts): the side terms add to rows that
+    // other warps' causal sums wrote. Their matrices come through shared
+    // memory, into phi's tile, which they do not read: D_bar for the two key
+    // sides, then S_in for the query side.
+    float* const side = reinterpret_cast<float*>(tiles + kPhi * kTile);
+    static_assert(kW * (kW + 1) * 4 <= kTile * 2, "S_in or D_bar fits phi's tile");
+    __syncthreads();
+    {
+      const float* Dc;
+      float dscale;
+      carried(&Dc, &dscale);
+      StageSide(Dk, r * p, side, Dc, dscale);
+    }
+    __syncthreads();
+    SideTerms<Side::kKeyPsi>(bk, d, b, h, c0, w, side, psi_bar);
+    SideTerms<Side::kKeyV>(bk, d, b, h, c0, w, side, v_bar);
     __syncthreads();
     StageSide(Sk, r * p, side);
     __syncthreads();

@@ -42,8 +42,10 @@ template <bool kDo = false>
 constexpr int kTokenFloats = 6 * kC + 2 * kW + kBlocks* kBlocks + (kDo ? kC : 0);
 // With one part (kP = 1) S_in and D_bar also wait as bf16 planes [kW][kLd]
 // (columns < dv, rows < r; zero elsewhere) after the per-token arrays, for the
-// side terms of the rows' owners (OwnerSide); with more parts and kDo, S_in
-// alone in its kP planes, for the query rows' owners.
+// side terms of the rows' owners (OwnerSide); with more parts and kDo, one
+// matrix in its kP planes: D_bar for the key rows' owners, then S_in over it
+// for the query rows' (the kernel restages them between; both would take the
+// block to 133 KB, one per SM).
 constexpr int kSidePlane = kW * kLd;  // bf16 elements of one side plane
 template <int kP, bool kDo>
 constexpr int kSidePlanes = kP == 1 ? 2
@@ -101,7 +103,8 @@ struct Block : mma_tiles::TileWidths<kFull> {
   __device__ uint32_t Addr(int tile, int row, int col, int off) const {
     return base + 2u * static_cast<uint32_t>(tile * kTile + row * kLd + col + off);
   }
-  // The same in side plane q (kP = 1: 0 S_in, 1 D_bar; kDo: S_in's part q).
+  // The same in side plane q (kP = 1: 0 S_in, 1 D_bar; kDo with kP parts:
+  // part q of the matrix staged, D_bar or S_in).
   __device__ uint32_t SideAddr(int q, int row, int col, int off) const {
     return base + static_cast<uint32_t>(kSideOffsetBytes<kP, kDo>) +
            2u * static_cast<uint32_t>(q * kSidePlane + row * kLd + col + off);
@@ -245,7 +248,7 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP, kDo>& bk, const
                                           float* __restrict__ out) {
   const int g = bk.g, tq = bk.tq;
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
-  static_assert(!(kQuery && kDo), "with kDo the query rows' owners add the query side");
+  static_assert(kSidePlanes<kP, kDo> == 0, "with side planes the rows' owners add the sides");
   const int width = kKeyV ? bk.dv() : bk.r();
   const int n0 = 16 * (w & 3), i_first = 4 * (w >> 2);
   if (n0 >= width || i_first >= bk.nb) return;
@@ -378,17 +381,18 @@ __device__ __forceinline__ void SideTerms(const Block<kFull, kP, kDo>& bk, const
 //   key v (D):     hi += w_s sum_{k < r} psi_s[k] D[k][n]
 // so the outputs are written once, with no pass over them after the causal
 // sums (the column blocks of SideTerms read back what the owners wrote).
-// kDo with kP parts: the query side the same way from S_in's kP planes and
-// d_o (gbar_t[k] = d_o_t[k] / den_t), the causal sum's lo first added to hi,
-// every term of the side's products into lo, the smallest first.
+// kDo with kP parts: each side the same way from the kP planes of its matrix
+// (the query side with d_o: gbar_t[k] = d_o_t[k] / den_t), the causal sum's lo
+// first added to hi, every term of the side's products into lo, the smallest
+// first.
 template <Side kSide, bool kFull, int kP, bool kDo>
 __device__ __forceinline__ void OwnerSide(const Block<kFull, kP, kDo>& bk, int i, float (&hi)[8][4],
                                           float (&lo)[8][4]) {
   constexpr bool kQuery = kSide == Side::kQuery, kKeyV = kSide == Side::kKeyV;
-  static_assert(kP == 1 || (kDo && kQuery), "more parts: the query side by d_o only");
+  static_assert(kP == 1 || kDo, "more parts: with d_o only (kSidePlanes)");
   const int width = kKeyV ? bk.dv() : bk.r();
   const int ksteps = kKeyV ? bk.kr() : bk.kd();
-  const int q = kQuery ? 0 : 1;
+  const int q = kQuery || kP > 1 ? 0 : 1;  // the side's first plane
   if constexpr (kP > 1) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
@@ -398,7 +402,9 @@ __device__ __forceinline__ void OwnerSide(const Block<kFull, kP, kDo>& bk, int i
         lo[nt][e] = 0.f;
       }
   }
-#pragma unroll
+  // kP > 1: a k-step at a time (the planes' fragments of every k-step in
+  // flight at once spill the key rows' kernels).
+#pragma unroll(kP > 1 ? 1 : 4)
   for (int ks = 0; ks < 4; ++ks) {
     if (ks >= ksteps) continue;
     uint32_t a[1][4];
