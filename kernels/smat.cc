@@ -213,8 +213,9 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   // (eq. 19), their suffix scan and the chunk tiles: in one call where the
   // backend has one, else four phases. The tiles cover every token, so they
   // write the three gradients (no zeroing before, nothing read back) and the
-  // long-range branch adds to them.
-  SMAT_ASSIGN_OR_RETURN(Tensor gbar, Alloc(backend, {d.batch, d.L, d.H, d.p}));
+  // long-range branch adds to them. The one call writes gbar's column dv
+  // alone where the backend takes the rest from d_o and den (gden), else gbar
+  // in full.
   Tensor dlam_row;
   if (gated) {
     SMAT_ASSIGN_OR_RETURN(dlam_row, Alloc(backend, {d.batch, d.L, d.H}));
@@ -223,11 +224,20 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   SMAT_ASSIGN_OR_RETURN(grads->phi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->psi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->v, Alloc(backend, {d.batch, d.L, d.H, d.dv}));
-  SMAT_ASSIGN_OR_RETURN(
-      const bool fused,
-      k->ChunkBackward(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi, in.psi, in.v, sv.lam,
-                       sv.chunk_decay, sv.S_in, &gbar, gated ? &dlam_row : nullptr, &grads->phi,
-                       &grads->psi, &grads->v, stream));
+  auto chunk_backward = [&](Tensor* g) {
+    return k->ChunkBackward(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi, in.psi, in.v, sv.lam,
+                            sv.chunk_decay, sv.S_in, g, gated ? &dlam_row : nullptr, &grads->phi,
+                            &grads->psi, &grads->v, stream);
+  };
+  auto full_gbar = [&]() { return Alloc(backend, {d.batch, d.L, d.H, d.p}); };
+  Tensor gbar, gden;
+  SMAT_ASSIGN_OR_RETURN(gden, Alloc(backend, {d.batch, d.L, d.H}));
+  SMAT_ASSIGN_OR_RETURN(bool fused, chunk_backward(&gden));
+  if (!fused) {
+    gden = Tensor();
+    SMAT_ASSIGN_OR_RETURN(gbar, full_gbar());
+    SMAT_ASSIGN_OR_RETURN(fused, chunk_backward(&gbar));
+  }
   if (!fused) {
     SMAT_ASSIGN_OR_RETURN(Tensor S_in_bar, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
     SMAT_RETURN_IF_ERROR(k->NormalizeBackwardStates(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi,
@@ -244,12 +254,28 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
 
   // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar (U_bar itself
   // where C is the identity), gather to tokens (nothing to carry without
-  // tokens on both sides of n).
+  // tokens on both sides of n). With gbar's column dv alone, the per-type
+  // reads' adjoint takes the rest from d_o and den, or gbar is formed in full
+  // for it where the backend has no such path.
   if (SmatHasLongRange(plan)) {
     SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
-    SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
-                                              sv.chunk_decay, Tensor(), in.type, &grads->phi,
-                                              &U_bar, stream));
+    bool read = false;
+    if (gden.defined()) {
+      SMAT_ASSIGN_OR_RETURN(
+          read, k->TypeReadsBackwardFromFactors(plan, span, in.phi, sv.U, d_o, sv.den, gden, sv.lam,
+                                                sv.chunk_decay, Tensor(), in.type, &grads->phi,
+                                                &U_bar, stream));
+      if (!read) {
+        SMAT_ASSIGN_OR_RETURN(gbar, full_gbar());
+        SMAT_RETURN_IF_ERROR(
+            k->NormalizeBackward(d_o, fwd.o, sv.den, in.eps, &gbar, nullptr, stream));
+      }
+    }
+    if (!read) {
+      SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
+                                                sv.chunk_decay, Tensor(), in.type, &grads->phi,
+                                                &U_bar, stream));
+    }
     Tensor F_bar = U_bar;
     if (!plan.geo.IncidenceIsIdentity()) {
       SMAT_ASSIGN_OR_RETURN(F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));

@@ -342,6 +342,30 @@ class SmatKernels {
                                          Tensor* U_bar,                // [batch, H, B, r, p]
                                          Stream* stream) = 0;
 
+  // B2 with gbar by its factors (B1): gbar_t[0:dv] = d_o_t / den_t and
+  //   gbar_t[dv] = gden_t, so that gbar need not be written in full (the
+  //   column dv alone, as ChunkBackward writes it given [batch, L, H]). The
+  //   same sums as TypeReadsBackward from that gbar, within its tolerances.
+  //   Returns false, having written nothing, where the backend has no such
+  //   path for these inputs: the composer then forms gbar (NormalizeBackward)
+  //   and runs TypeReadsBackward.
+  virtual absl::StatusOr<bool> TypeReadsBackwardFromFactors(
+      const SmatPlan& plan, const SmatSpan& span,
+      const Tensor& phi,            // [batch, L, H, r]
+      const Tensor& U,              // [batch, H, B, r, p]
+      const Tensor& d_o,            // [batch, L, H, dv]
+      const Tensor& den,            // [batch, L, H]
+      const Tensor& gden,           // [batch, L, H]
+      const Tensor& lam,            // [batch, L, H] or undefined
+      const Tensor& chunk_decay,    // [batch, Lc, H] or undefined
+      const Tensor& recent_offset,  // [batch, H] or undefined
+      const Tensor& type,           // [batch, L, H] int32 or undefined
+      Tensor* phi_bar,              // [batch, L, H, r] (+=)
+      Tensor* U_bar,                // [batch, H, B, r, p]
+      Stream* stream) {
+    return false;
+  }
+
   // B3. Adjoint of the tabulation (eq. 18): F_bar = C^T U_bar.
   virtual absl::Status TabulateBackward(const SmatPlan& plan,
                                         const Tensor& U_bar,  // [batch, H, B, r, p]
@@ -413,7 +437,10 @@ class SmatKernels {
 
   // B1 + B5 + B6 + B7 in one call, where a backend has a path that writes
   //   neither S_in_bar nor D_bar in full: gbar and dlam_row (where not null)
-  //   as NormalizeBackwardStates writes them, then phi_bar, psi_bar and v_bar
+  //   as NormalizeBackwardStates writes them (gbar given as [batch, L, H]:
+  //   its column dv alone, for a backend whose per-type reads' adjoint takes
+  //   gbar's other columns from d_o and den, TypeReadsBackwardFromFactors;
+  //   a backend without such a path returns false), then phi_bar, psi_bar and v_bar
   //   written (SmatWrite::kAssign) as ChunkOutputsBackward writes them from
   //   the D_bar of ChunkScanBackward with incoming_grad zero. Returns false,
   //   having written nothing, where the backend has no such path for these
@@ -432,7 +459,7 @@ class SmatKernels {
       const Tensor& lam,          // [batch, L, H] or undefined
       const Tensor& chunk_decay,  // [batch, Lc, H] or undefined
       const Tensor& S_in,         // [batch, Lc, H, r, p]
-      Tensor* gbar,               // [batch, L, H, p]
+      Tensor* gbar,               // [batch, L, H, p] or [batch, L, H] (column dv)
       Tensor* dlam_row,           // [batch, L, H] or null
       Tensor* phi_bar,            // [batch, L, H, r] (=)
       Tensor* psi_bar,            // [batch, L, H, r] (=)

@@ -373,6 +373,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     SMAT_ASSIGN_OR_RETURN(Tensor d_o,
                           buf.Random({B, T, H, dv}, cfg.do_dtype, cfg.seed + 4, -1.f, 1.f));
     SMAT_ASSIGN_OR_RETURN(Tensor gbar, buf.Zeros({B, T, H, p}));
+    SMAT_ASSIGN_OR_RETURN(Tensor gden, buf.Zeros({B, T, H}));
     SMAT_ASSIGN_OR_RETURN(Tensor dlam_row, buf.Zeros({B, T, H}));
     SMAT_ASSIGN_OR_RETURN(Tensor phi_bar, buf.Zeros({B, T, H, r}));
     SMAT_ASSIGN_OR_RETURN(Tensor psi_bar, buf.Zeros({B, T, H, r}));
@@ -387,13 +388,20 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     std::vector<Phase> bwd;
     // The order of SmatBackward (kernels/smat.cc): gbar, the state gradients,
     // their scan and the chunk tiles in one call where the backend has one
-    // (ChunkBackward), else as the phases below; then the long-range phases
-    // add to the gradients the tiles wrote.
+    // (ChunkBackward, writing gbar's column dv alone where the backend takes
+    // the rest from d_o and den, else gbar), else as the phases below; then
+    // the long-range phases add to the gradients the tiles wrote.
+    bool column_only = true;
     auto chunk_backward = [&]() -> absl::StatusOr<bool> {
-      return k->ChunkBackward(plan, span, d_o, o, den, eps, phi, psi, v, lam, cd, S_in, &gbar,
-                              cfg.gated ? &dlam_row : nullptr, &phi_bar, &psi_bar, &v_bar, nullptr);
+      return k->ChunkBackward(plan, span, d_o, o, den, eps, phi, psi, v, lam, cd, S_in,
+                              column_only ? &gden : &gbar, cfg.gated ? &dlam_row : nullptr,
+                              &phi_bar, &psi_bar, &v_bar, nullptr);
     };
-    SMAT_ASSIGN_OR_RETURN(const bool fused_backward, chunk_backward());
+    SMAT_ASSIGN_OR_RETURN(bool fused_backward, chunk_backward());
+    if (!fused_backward) {
+      column_only = false;
+      SMAT_ASSIGN_OR_RETURN(fused_backward, chunk_backward());
+    }
     std::vector<Phase> four;
     four.push_back({"NormalizeBackwardStates",
                     N * (dv * (es_do + es) + 8 + p * 4 + 4 + r * es) + gate_bytes + NC * W * 4,
@@ -425,10 +433,12 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                     }});
     if (fused_backward) {
       // Its bytes: the first pass's (gbar, D_bar's local part) and B7's;
-      // with bf16 d_o, B7 reads d_o, den and gbar[:, dv] instead of gbar.
+      // with bf16 d_o, B7 reads d_o, den and gbar[:, dv] instead of gbar, and
+      // the first pass writes gbar's column dv alone.
       const double b7_gbar = cfg.do_dtype == DType::kBF16 ? dv * es_do + 8 : p * 4;
+      const double gbar_out = column_only ? 4 : p * 4;
       bwd.push_back({"ChunkBackward",
-                     N * (dv * (es_do + es) + 8 + p * 4 + 4 + r * es) + NC * W * 4 + b7_bytes -
+                     N * (dv * (es_do + es) + 8 + gbar_out + 4 + r * es) + NC * W * 4 + b7_bytes -
                          N * p * 4 + N * b7_gbar,
                      4 * N * dv + 2 * N * W + b7_flops, [&]() -> absl::Status {
                        SMAT_ASSIGN_OR_RETURN(const bool ran, chunk_backward());
@@ -438,12 +448,26 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     } else {
       bwd.insert(bwd.end(), four.begin(), four.end());
     }
-    if (long_range) {
+    if (long_range && fused_backward && column_only) {
+      // gbar from its factors: d_o, den and gbar's column dv.
+      bwd.push_back({"TypeReadsBackward", nr * (r * es + dv * es_do + 8 + r * 8) + BH * Bt * W * 8,
+                     4 * nr * W, [&]() -> absl::Status {
+                       SMAT_ASSIGN_OR_RETURN(const bool ran,
+                                             k->TypeReadsBackwardFromFactors(
+                                                 plan, span, phi, U, d_o, den, gden, lam, cd,
+                                                 Tensor(), Tensor(), &phi_bar, &U_bar, nullptr));
+                       if (!ran)
+                         return absl::InternalError("TypeReadsBackward by factors did not run");
+                       return absl::OkStatus();
+                     }});
+    } else if (long_range) {
       bwd.push_back(
           {"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8, 4 * nr * W, [&] {
              return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(), Tensor(),
                                          &phi_bar, &U_bar, nullptr);
            }});
+    }
+    if (long_range) {
       if (tabulate) {
         bwd.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
                        [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});

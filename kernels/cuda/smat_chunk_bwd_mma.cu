@@ -514,7 +514,10 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     if (tid < kC) {
-      gcol[tid] = tid < ce ? __ldg(&tg[tid * sg + dv]) : 0.f;
+      // gbar's column dv, from gden where it is a tensor of its own.
+      const bool own = kDo && gf.gden != nullptr;
+      const float* gc = own ? gf.gden + tok : tg + dv;
+      gcol[tid] = tid < ce ? __ldg(&gc[tid * (own ? static_cast<int64_t>(d.H) : sg)]) : 0.f;
       // Ungated (kGated false: no lam) the weights below are exp(0) = 1
       // exactly; the side terms apply them, the causal sums skip W.
       const float l = kGated && tid < ce ? __ldg(&lam[tok + static_cast<int64_t>(tid) * d.H]) : 0.f;

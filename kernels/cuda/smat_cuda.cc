@@ -376,7 +376,11 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckF32(den, {d.batch, d.L, d.H}, "den"));
     SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
     SMAT_RETURN_IF_ERROR(args_.CheckF32(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
-    SMAT_RETURN_IF_ERROR(args_.CheckOut(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
+    // gbar in full, or its column dv alone ([batch, L, H]) where B7 takes the
+    // other columns from a bf16 d_o and den.
+    const bool column_only = gbar != nullptr && gbar->rank() == 3;
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(
+        gbar, column_only ? Shape{d.batch, d.L, d.H} : Shape{d.batch, d.L, d.H, d.p}, "gbar"));
     if (dlam_row != nullptr) {
       SMAT_RETURN_IF_ERROR(args_.CheckOut(dlam_row, {d.batch, d.L, d.H}, "dlam_row"));
     }
@@ -384,19 +388,89 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOut(psi_bar, {d.batch, d.L, d.H, d.r}, "psi_bar"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(v_bar, {d.batch, d.L, d.H, d.dv}, "v_bar"));
     const bool do_bf16 = d_o.dtype() == DType::kBF16, o_bf16 = o.dtype() == DType::kBF16;
+    if (column_only && !do_bf16) return false;
     if (!SmatChunkBackwardFits(d, d_o.raw(), do_bf16, o.raw(), o_bf16, phi.raw(), F32(lam),
                                F32(gbar))) {
       return false;
     }
     CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* work, scratch.Get<float>(SmatChunkBackwardScratchFloats(d)));
-    SMAT_RETURN_IF_ERROR(
-        CudaStatus(LaunchSmatChunkBackward(d, d_o.raw(), do_bf16, o.raw(), o_bf16, F32(den), eps,
-                                           phi.raw(), psi.raw(), v.raw(), F32(lam),
-                                           F32(chunk_decay), F32(S_in), F32(gbar), F32(dlam_row),
-                                           F32(phi_bar), F32(psi_bar), F32(v_bar), work, s),
-                   "ChunkBackward kernels"));
+    SMAT_RETURN_IF_ERROR(CudaStatus(
+        LaunchSmatChunkBackward(d, d_o.raw(), do_bf16, o.raw(), o_bf16, F32(den), eps, phi.raw(),
+                                psi.raw(), v.raw(), F32(lam), F32(chunk_decay), F32(S_in),
+                                F32(gbar), F32(dlam_row), F32(phi_bar), F32(psi_bar), F32(v_bar),
+                                work, s, column_only),
+        "ChunkBackward kernels"));
     return true;
+  }
+
+  absl::StatusOr<bool> TypeReadsBackwardFromFactors(
+      const SmatPlan& plan, const SmatSpan& span, const Tensor& phi, const Tensor& U,
+      const Tensor& d_o, const Tensor& den, const Tensor& gden, const Tensor& lam,
+      const Tensor& chunk_decay, const Tensor& recent_offset, const Tensor& type, Tensor* phi_bar,
+      Tensor* U_bar, Stream* stream) override {
+    SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
+    SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.TableDims(plan, span, phi, U, "U"));
+    SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, d_o, "d_o", d.dv));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(den, {d.batch, d.L, d.H}, "den"));
+    SMAT_RETURN_IF_ERROR(args_.CheckF32(gden, {d.batch, d.L, d.H}, "gden"));
+    SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
+    SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(recent_offset, {d.batch, d.H}, "recent_offset"));
+    SMAT_RETURN_IF_ERROR(args_.CheckMap(d, type, "type"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
+    SMAT_RETURN_IF_ERROR(args_.CheckOut(U_bar, {d.batch, d.H, plan.geo.B, d.r, d.p}, "U_bar"));
+    if (d_o.dtype() != DType::kBF16 || !SmatTypeReadsBackwardFactorsFit(d, phi.raw(), d_o.raw())) {
+      return false;
+    }
+    if (plan.n == 0) {
+      // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
+      SMAT_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
+                                      "TypeReadsBackward cudaMemsetAsync"));
+      return true;
+    }
+    SmatGbarFactors gf;
+    gf.d_o = d_o.raw();
+    gf.den = F32(den);
+    gf.gden = F32(gden);
+    SMAT_RETURN_IF_ERROR(FusedTypeReadsBackward(plan, span, d, phi, U, nullptr, &gf, lam,
+                                                chunk_decay, recent_offset, type, phi_bar, U_bar,
+                                                s));
+    return true;
+  }
+
+  // U_bar and phi_bar in one pass over the recent tokens
+  // (LaunchSmatTypeReadsBackwardBf16), from gbar or its factors; U_bar's
+  // segments summed after it.
+  absl::Status FusedTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
+                                      const SmatCudaDims& d, const Tensor& phi, const Tensor& U,
+                                      const float* gbar, const SmatGbarFactors* factors,
+                                      const Tensor& lam, const Tensor& chunk_decay,
+                                      const Tensor& recent_offset, const Tensor& type,
+                                      Tensor* phi_bar, Tensor* U_bar, cudaStream_t s) {
+    const int64_t B = plan.geo.B;
+    CudaScratch scratch(s);
+    SmatTokenGroups groups;
+    SmatTokenWeights w;
+    SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
+                                      &scratch, s, &groups, &w));
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
+    const int64_t G = groups.num_groups;
+    const int segments =
+        SegmentsFor(groups.end - groups.begin, G, cuda_groups::kTokensPerTableSegment);
+    float* out = F32(U_bar);
+    SmatMatrixLayout out_lay = lay;
+    if (segments > 1) {
+      SMAT_ASSIGN_OR_RETURN(
+          out, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.H * G * segments * d.r * d.p));
+      out_lay = SmatMatrixLayout{static_cast<int64_t>(d.H) * G, 1, G};
+    }
+    SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatTypeReadsBackwardBf16(d, groups, segments, F32(U), lay,
+                                                              phi.raw(), gbar, w, out_lay, out,
+                                                              F32(phi_bar), s, factors));
+    if (segments == 1) return absl::OkStatus();
+    return CudaStatus(
+        LaunchSmatReduceSegments(d, groups.num_groups, segments, out, lay, F32(U_bar), s),
+        "TypeReadsBackward kernel");
   }
 
   absl::Status TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
@@ -418,32 +492,16 @@ class CudaSmatKernels final : public SmatKernels {
       return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
                         "TypeReadsBackward cudaMemsetAsync");
     }
+    if (SmatTypeReadsBackwardBf16Fits(d, phi.raw())) {
+      return FusedTypeReadsBackward(plan, span, d, phi, U, F32(gbar), nullptr, lam, chunk_decay,
+                                    recent_offset, type, phi_bar, U_bar, s);
+    }
     CudaScratch scratch(s);
     SmatTokenGroups groups;
     SmatTokenWeights w;
     SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
                                       &scratch, s, &groups, &w));
     const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
-    if (SmatTypeReadsBackwardBf16Fits(d, phi.raw())) {
-      // Both in one pass over the tokens; U_bar's segments summed after it.
-      const int64_t G = groups.num_groups;
-      const int segments =
-          SegmentsFor(groups.end - groups.begin, G, cuda_groups::kTokensPerTableSegment);
-      float* out = F32(U_bar);
-      SmatMatrixLayout out_lay = lay;
-      if (segments > 1) {
-        SMAT_ASSIGN_OR_RETURN(out, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.H * G *
-                                                      segments * d.r * d.p));
-        out_lay = SmatMatrixLayout{static_cast<int64_t>(d.H) * G, 1, G};
-      }
-      SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatTypeReadsBackwardBf16(d, groups, segments, F32(U), lay,
-                                                                phi.raw(), F32(gbar), w, out_lay,
-                                                                out, F32(phi_bar), s));
-      if (segments == 1) return absl::OkStatus();
-      return CudaStatus(
-          LaunchSmatReduceSegments(d, groups.num_groups, segments, out, lay, F32(U_bar), s),
-          "TypeReadsBackward kernel");
-    }
     // U_bar[h] = sum_t gate_t phi_t gbar_t^T (written in full, zeros when the
     // span has no recent tokens), then phi_bar_t += gate_t U[type(t)] gbar_t.
     SMAT_RETURN_IF_ERROR(GroupedSum(d, groups, groups.end - groups.begin, phi.raw(), gbar.raw(),

@@ -344,9 +344,13 @@ struct SmatDBarCarry {
 // d_o's bf16 rows [batch, L, H, dv] and den [batch, L, H]. B7 then takes d_o
 // as one exact bf16 part where it took gbar in kP, and divides by den_t in
 // fp32 (LaunchSmatChunkBackward passes them where d_o is bf16).
+// gden (not null): gbar's column dv as its own [batch, L, H] tensor, read
+// there instead of from gbar (which then need not exist; LaunchSmatChunkBackward
+// with gbar_column_only, TypeReadsBackward by factors).
 struct SmatGbarFactors {
   const void* d_o = nullptr;
   const float* den = nullptr;
+  const float* gden = nullptr;
 };
 
 // B7 for bf16 inputs as one tensor-core kernel (phi_bar, psi_bar and v_bar
@@ -374,14 +378,18 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(
 // kernels (SmatUseFastChunkTiles) and the outer sums run on tensor cores
 // (SmatUseMmaGrouped; not with SMAT_CUDA_GROUPED=ffma). U_bar's partial sums go to
 // `U_bar` in `out_layout` with `segments` per type, as
-// LaunchSmatGroupedOuterSum writes them.
+// LaunchSmatGroupedOuterSum writes them. With `factors` (d_o bf16, den and
+// gden; SmatTypeReadsBackwardFactorsFit: d_o's rows 16-byte aligned, dv a
+// multiple of 8) gbar is not read: its rows come from their factors.
 bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& dims, const void* phi);
+bool SmatTypeReadsBackwardFactorsFit(const SmatCudaDims& dims, const void* phi, const void* d_o);
 cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
                                             int segments, const float* U,
                                             const SmatMatrixLayout& u_layout, const void* phi,
                                             const float* gbar, const SmatTokenWeights& w,
                                             const SmatMatrixLayout& out_layout, float* U_bar,
-                                            float* phi_bar, cudaStream_t stream);
+                                            float* phi_bar, cudaStream_t stream,
+                                            const SmatGbarFactors* factors = nullptr);
 
 // ---- smat_state_grads.cu --------------------------------------------------------
 
@@ -410,7 +418,9 @@ cudaError_t LaunchSmatNormalizeBackwardStatesFused(const SmatCudaDims& dims, con
 // state gradients summing on in the tensor cores' accumulators, and writes
 // D_bar's local part (SmatDBarCarry); a scan over the runs gives the carries
 // that B7 adds as it stages D_bar. Fits where both fused kernels run.
-// scratch: SmatChunkBackwardScratchFloats(dims) floats.
+// scratch: SmatChunkBackwardScratchFloats(dims) floats. gbar_column_only
+// (a bf16 d_o only): gbar is [batch, L, H], gbar's column dv alone; B7 takes
+// the other columns from d_o and den (SmatGbarFactors).
 bool SmatChunkBackwardFits(const SmatCudaDims& dims, const void* d_o, bool do_bf16, const void* o,
                            bool o_bf16, const void* phi, const float* lam, const float* gbar);
 int64_t SmatChunkBackwardScratchFloats(const SmatCudaDims& dims);
@@ -419,6 +429,7 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& dims, const void* d_o, b
                                     const void* phi, const void* psi, const void* v,
                                     const float* lam, const float* chunk_decay, const float* S_in,
                                     float* gbar, float* dlam_row, float* phi_bar, float* psi_bar,
-                                    float* v_bar, float* scratch, cudaStream_t stream);
+                                    float* v_bar, float* scratch, cudaStream_t stream,
+                                    bool gbar_column_only = false);
 
 }  // namespace smat

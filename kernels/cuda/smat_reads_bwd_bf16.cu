@@ -17,6 +17,11 @@
 // kP = 1 (SMAT_CUDA_BF16_PARTS=1): U and wg in one bf16 plane each (each
 // product one MMA: flash-linear-attention's numerics, as the fused chunk
 // tiles take them), 48 KB, three blocks per SM.
+// kDo (SmatKernels::TypeReadsBackwardFromFactors): wg from gbar's factors,
+// (w_t / den_t) d_o_t and w_t gden_t (StageFactorRows), with d_o's bf16 rows
+// read 16 bytes at a time where gbar's fp32 rows took 4: half the bytes, and
+// the backward no longer writes gbar's first dv columns at all (ChunkBackward
+// writes its column dv alone).
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -48,13 +53,68 @@ static_assert(kFusedOffMcol<3> == kOffMcol && kFusedOffTok<3> == kOffTok,
               "three parts: the layout of the read kernels");
 static_assert(kFusedOffTok<1> % 16 == 0 && kFusedOffRows<1> % 16 == 0, "16-byte aligned");
 
-template <bool kFull, int kP>
+// The rows of wg = w gbar from gbar's factors (SmatGbarFactors: gbar_t[0:dv]
+// = d_o_t / den_t, gbar_t[dv] = gden_t): columns < dv as (w_t / den_t) d_o_t,
+// column dv as w_t gden_t (also to gcol), split into kP bf16 planes at dst;
+// zeros for nt <= t < kC. d_o's rows are bf16 and 16-byte aligned with dv a
+// multiple of 8 (SmatTypeReadsBackwardFactorsFit): eight threads to a row, a
+// 16-byte load each, kRowBatch rows' loads issued before their first use.
+// Half the bytes of gbar's fp32 rows, and gbar need not be written at all.
+template <int kP, int kRowBatch>
+__device__ __forceinline__ void StageFactorRows(const SmatGbarFactors& gf, const int64_t* rows,
+                                                const float* w, int dv, int nt, __nv_bfloat16* dst,
+                                                float* gcol) {
+  constexpr int kLanes = 8, kRowsPerPass = kThreads / kLanes, kPasses = kC / kRowsPerPass;
+  static_assert(kC % kRowsPerPass == 0 && kPasses % kRowBatch == 0, "whole batches of rows");
+  const int sub = threadIdx.x % kLanes, t0 = threadIdx.x / kLanes;
+  const bool cols = 8 * sub < dv;
+  const __nv_bfloat16* d_o = static_cast<const __nv_bfloat16*>(gf.d_o);
+#pragma unroll
+  for (int p0 = 0; p0 < kPasses; p0 += kRowBatch) {
+    uint4 x[kRowBatch];
+    float dn[kRowBatch], gd[kRowBatch];
+#pragma unroll
+    for (int u = 0; u < kRowBatch; ++u) {
+      const int t = t0 + (p0 + u) * kRowsPerPass;
+      const bool live = t < nt;
+      const int64_t row = live ? rows[t] : rows[0];
+      x[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (live && cols) x[u] = __ldg(reinterpret_cast<const uint4*>(d_o + row * dv + 8 * sub));
+      dn[u] = __ldg(&gf.den[row]);
+      gd[u] = sub == 0 ? __ldg(&gf.gden[row]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRowBatch; ++u) {
+      const int t = t0 + (p0 + u) * kRowsPerPass;
+      const bool live = t < nt;
+      const float wt = live ? w[t] : 0.f;
+      const float s = live ? wt / dn[u] : 0.f;
+      if (cols) {
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&x[u]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(h2[j]);
+          mma_tiles::StoreSplitPair<kP>(dst + t * kLdT + 8 * sub + 2 * j, kTokPlane, s * f.x,
+                                        s * f.y);
+        }
+      }
+      if (sub == 0) {
+        const float gc = wt * gd[u];
+        gcol[t] = gc;
+        mma_tiles::StoreSplitPair<kP>(dst + t * kLdT + dv, kTokPlane, gc, 0.f);
+      }
+    }
+  }
+}
+
+template <bool kFull, int kP, bool kDo>
 __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     TypeReadsBackwardKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
                             const float* __restrict__ U, SmatMatrixLayout lay,
                             const __nv_bfloat16* __restrict__ phi, const float* __restrict__ gbar,
                             SmatTokenWeights tw, SmatMatrixLayout out_lay,
-                            float* __restrict__ U_bar, float* __restrict__ phi_bar) {
+                            float* __restrict__ U_bar, float* __restrict__ phi_bar,
+                            SmatGbarFactors gf) {
   extern __shared__ uint4 smem_u4[];
   char* smem = reinterpret_cast<char*>(smem_u4);
   __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -84,7 +144,11 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     StageTokens(blk, d, tw, j0, nt, rows, w);
     StageRowsAsync(phi, rows, r, nt, Ph);
     // U_bar's accumulators stay live: fewer loads in flight.
-    StageSplitRows<true, kFusedSplitLoads, kP>(gbar, rows, w, dv, nt, Gs, gcol);
+    if constexpr (kDo) {
+      StageFactorRows<kP, 2>(gf, rows, w, dv, nt, Gs, gcol);
+    } else {
+      StageSplitRows<true, kFusedSplitLoads, kP>(gbar, rows, w, dv, nt, Gs, gcol);
+    }
     if (j0 == blk.lo) StageMatrix<kP>(blk.Matrix(U, lay, r, p), r, p, dv, dv, Ms, mcol);
     CpAsyncWaitAll();
     __syncthreads();
@@ -116,28 +180,42 @@ bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& d, const void* phi) {
   return SmatDeviceRunsMma(kFusedSmemBytes<3>);
 }
 
+bool SmatTypeReadsBackwardFactorsFit(const SmatCudaDims& d, const void* phi, const void* d_o) {
+  return SmatTypeReadsBackwardBf16Fits(d, phi) && d.dv % 8 == 0 && Aligned16(d_o);
+}
+
 cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTokenGroups& groups,
                                             int segments, const float* U,
                                             const SmatMatrixLayout& lay, const void* phi,
                                             const float* gbar, const SmatTokenWeights& w,
                                             const SmatMatrixLayout& out_lay, float* U_bar,
-                                            float* phi_bar, cudaStream_t stream) {
+                                            float* phi_bar, cudaStream_t stream,
+                                            const SmatGbarFactors* factors) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
-  auto launch = [&](auto parts) {
+  const bool by_factors = factors != nullptr;
+  if (by_factors && !SmatTypeReadsBackwardFactorsFit(d, phi, factors->d_o)) {
+    return cudaErrorInvalidValue;
+  }
+  const SmatGbarFactors gf = by_factors ? *factors : SmatGbarFactors();
+  auto launch = [&](auto parts, auto by_do) {
     constexpr int kP = decltype(parts)::value;
-    auto kernel = d.r == kW && d.dv == kW ? TypeReadsBackwardKernel<true, kP>
-                                          : TypeReadsBackwardKernel<false, kP>;
+    constexpr bool kDo = decltype(by_do)::value;
+    auto kernel = d.r == kW && d.dv == kW ? TypeReadsBackwardKernel<true, kP, kDo>
+                                          : TypeReadsBackwardKernel<false, kP, kDo>;
     const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kFusedSmemBytes<kP>);
     if (err != cudaSuccess) return err;
     const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
     kernel<<<grid, kThreads, kFusedSmemBytes<kP>, stream>>>(d, groups, segments, U, lay,
                                                             static_cast<const __nv_bfloat16*>(phi),
-                                                            gbar, w, out_lay, U_bar, phi_bar);
+                                                            gbar, w, out_lay, U_bar, phi_bar, gf);
     return cudaGetLastError();
   };
-  // Two parts keep three here: the option splits the fused chunk tiles only.
-  if (SmatBf16SplitParts() == 1) return launch(std::integral_constant<int, 1>());
-  return launch(std::integral_constant<int, 3>());
+  auto with_parts = [&](auto by_do) {
+    // Two parts keep three here: the option splits the fused chunk tiles only.
+    if (SmatBf16SplitParts() == 1) return launch(std::integral_constant<int, 1>(), by_do);
+    return launch(std::integral_constant<int, 3>(), by_do);
+  };
+  return by_factors ? with_parts(std::true_type()) : with_parts(std::false_type());
 }
 
 }  // namespace smat

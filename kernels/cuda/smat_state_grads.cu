@@ -94,7 +94,8 @@ __device__ __forceinline__ float2 LoadPair(const void* ptr, int64_t pair, bool b
 
 // Chunk k of (b, h) into shared memory: phi's rows into As (cp.async where
 // vec_in: the caller waits), w gbar (w = exp(lam), ungated 1) split into the
-// three planes at Bs; gbar and dlam_row (where not null) written out. Returns
+// three planes at Bs; gbar and dlam_row (where not null) written out (with
+// column_only, gbar is [batch, L, H]: its column dv alone). Returns
 // the chunk's tokens. Columns dv + 2 .. kLd - 1 of the planes must be zero
 // already (PadPlanes); every row's columns 0 .. dv + 1 are written here.
 template <bool kGated, int kRowBatch = kRowBatchOne>
@@ -102,7 +103,7 @@ __device__ __forceinline__ int StageChunk(
     const SmatCudaDims& d, bool vec_in, int64_t k, int b, int h, const void* __restrict__ d_o,
     bool do_bf16, const void* __restrict__ o, bool o_bf16, const float* __restrict__ den, float eps,
     const __nv_bfloat16* __restrict__ phi, const float* __restrict__ lam, float* __restrict__ gbar,
-    float* __restrict__ dlam_row, __nv_bfloat16* As, __nv_bfloat16* Bs) {
+    float* __restrict__ dlam_row, __nv_bfloat16* As, __nv_bfloat16* Bs, bool column_only = false) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t c0 = k * d.chunk;
   const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
@@ -151,7 +152,7 @@ __device__ __forceinline__ int StageChunk(
       const float w = kGated ? expf(lt[u]) : 1.f;
       if (pair_lane) {
         float* grow = gbar + row * p;
-        if (here) {
+        if (here && !column_only) {
           grow[2 * lane] = x0;
           grow[2 * lane + 1] = x1;
         }
@@ -179,7 +180,7 @@ __device__ __forceinline__ int StageChunk(
       const int64_t row = tok + static_cast<int64_t>(here ? m : 0) * d.H;
       const float xdv = here ? -dt / dd : 0.f;
       if (here) {
-        gbar[row * p + dv] = xdv;
+        gbar[column_only ? row : row * p + dv] = xdv;
         if (dlam_row != nullptr) dlam_row[row] = eps * dt / dd;
       }
       const float w = kGated ? expf(ll) : 1.f;
@@ -246,16 +247,13 @@ __global__ void __launch_bounds__(kThreads, 3)
 // chunks k + 1 .. of the run (gated only), total[bh, s] = Sigma[first],
 // decay[bh, s] = the product of e over the run (gated only).
 template <bool kGated>
-__global__ void __launch_bounds__(kThreads, 3)
-    NormalizeBackwardRunsKernel(SmatCudaDims d, bool vec_in, SmatChunkRuns rs,
-                                const void* __restrict__ d_o, bool do_bf16,
-                                const void* __restrict__ o, bool o_bf16,
-                                const float* __restrict__ den, float eps,
-                                const __nv_bfloat16* __restrict__ phi,
-                                const float* __restrict__ lam, const float* __restrict__ cd,
-                                float* __restrict__ gbar, float* __restrict__ dlam_row,
-                                float* __restrict__ local, float* __restrict__ scale,
-                                float* __restrict__ total, float* __restrict__ decay) {
+__global__ void __launch_bounds__(kThreads, 3) NormalizeBackwardRunsKernel(
+    SmatCudaDims d, bool vec_in, SmatChunkRuns rs, const void* __restrict__ d_o, bool do_bf16,
+    const void* __restrict__ o, bool o_bf16, const float* __restrict__ den, float eps,
+    const __nv_bfloat16* __restrict__ phi, const float* __restrict__ lam,
+    const float* __restrict__ cd, float* __restrict__ gbar, bool gbar_column_only,
+    float* __restrict__ dlam_row, float* __restrict__ local, float* __restrict__ scale,
+    float* __restrict__ total, float* __restrict__ decay) {
   extern __shared__ uint4 smem_u4[];
   __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem_u4);
   __nv_bfloat16* Bs = As + kPlane;
@@ -275,8 +273,9 @@ __global__ void __launch_bounds__(kThreads, 3)
     tile.Store(r, p, reinterpret_cast<float*>(As), local + crow * W, tid, kThreads);
     if (kGated && tid == 0) scale[crow] = run;
     __syncthreads();  // the phi plane is free again
-    const int ce = StageChunk<kGated, kRowBatchRuns>(d, vec_in, k, b, h, d_o, do_bf16, o, o_bf16,
-                                                     den, eps, phi, lam, gbar, dlam_row, As, Bs);
+    const int ce =
+        StageChunk<kGated, kRowBatchRuns>(d, vec_in, k, b, h, d_o, do_bf16, o, o_bf16, den, eps,
+                                          phi, lam, gbar, dlam_row, As, Bs, gbar_column_only);
     if (vec_in) CpAsyncWaitAll();
     __syncthreads();
     if (kGated) {
@@ -405,8 +404,10 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool
                                     const void* phi, const void* psi, const void* v,
                                     const float* lam, const float* chunk_decay, const float* S_in,
                                     float* gbar, float* dlam_row, float* phi_bar, float* psi_bar,
-                                    float* v_bar, float* scratch, cudaStream_t stream) {
+                                    float* v_bar, float* scratch, cudaStream_t stream,
+                                    bool gbar_column_only) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (gbar_column_only && !do_bf16) return cudaErrorInvalidValue;  // B7 needs gbar's factors
   const SmatChunkRuns rs = PlanRuns(d);
   const int64_t bh = static_cast<int64_t>(d.batch) * d.H, W = static_cast<int64_t>(d.r) * d.p;
   const int runs = rs.seg_d + rs.seg_r;
@@ -423,8 +424,8 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool
     if (err != cudaSuccess) return err;
     kernel<<<dim3(static_cast<unsigned>(bh), static_cast<unsigned>(runs)), kThreads, kSmemBytes,
              stream>>>(d, vec, rs, d_o, do_bf16, o, o_bf16, den, eps,
-                       static_cast<const __nv_bfloat16*>(phi), lam, chunk_decay, gbar, dlam_row,
-                       local, scale, total, decay);
+                       static_cast<const __nv_bfloat16*>(phi), lam, chunk_decay, gbar,
+                       gbar_column_only, dlam_row, local, scale, total, decay);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   RunCarriesKernel<<<dim3(static_cast<unsigned>((W + 255) / 256), static_cast<unsigned>(bh)), 256,
@@ -440,6 +441,7 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool
   if (do_bf16) {
     gf.d_o = d_o;
     gf.den = den;
+    if (gbar_column_only) gf.gden = gbar;
   }
   return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar, local,
                                              phi_bar, psi_bar, v_bar, /*assign=*/true, stream, &dc,

@@ -175,6 +175,10 @@ inline std::vector<Case> Cases() {
   // more than 128 tokens of each type (q = 137), an odd T and a span inside
   // the sequence.
   add(1, 36001, 2, 64, 64, 2, 128, false, false, 0.0, true, 384, 24);
+  // ChunkBackward writes gbar's column dv alone (a bf16 d_o), but dv = 10 is
+  // no multiple of 8, so TypeReadsBackwardFromFactors declines: the op forms
+  // gbar in full for TypeReadsBackward (kernels/smat.cc), gated.
+  add(1, 777, 2, 16, 10, 2, 64, true, false, 0.0, true, 0, 25);
   return cs;
 }
 

@@ -122,6 +122,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
   int walked_cases = 0;          // cases that ran ChunkStatesAndOutputs' walk
   int fused_backward_cases = 0;  // cases that ran ChunkBackward's fused path
   int fused_do_bf16_cases = 0;   // the same from a bf16 d_o
+  int factored_reads_cases = 0;  // TypeReadsBackwardFromFactors ran
   for (const Case& cs : Cases()) {
     const ProblemSpec& sp = cs.spec;
     SCOPED_TRACE(CaseName(cs));
@@ -435,6 +436,48 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     const bool reads = recent && plan.n > 0;
     pb.Compare("TypeReadsBackward", "U_bar", TileTol(cs.bf16, tol), reads);
     pb.Compare("TypeReadsBackward", "phi_bar", TileTol(cs.bf16, tol), true);
+    // The same sums from gbar's factors (a bf16 d_o, den and gbar's column
+    // dv), against the CPU's TypeReadsBackward on the gbar those make.
+    if (cs.bf16) {
+      pb.Out("gbar_fb", {b, L, H, p});
+      SMAT_ASSERT_OK(ck->NormalizeBackward(pb.C("d_o_bf16"), pb.C("o"), pb.C("den"),
+                                           static_cast<float>(sp.eps), &pb.C("gbar_fb"), nullptr,
+                                           nullptr));
+      std::vector<double> gden(b * L * H);
+      const float* gb = static_cast<const float*>(pb.C("gbar_fb").raw());
+      for (int64_t i = 0; i < b * L * H; ++i) gden[i] = gb[i * p + dv];
+      pb.Put("gden", HostF32(gden, {b, L, H}));
+      pb.Acc("phi_bar_tf", {b, L, H, r}, 112);
+      pb.Out("U_bar_tf", {b, H, Bt, r, p});
+      SMAT_ASSERT_OK(ck->TypeReadsBackward(
+          plan, span, pb.C("phi"), pb.C("U"), pb.C("gbar_fb"), pb.CU("lam"), pb.CU("chunk_decay"),
+          pb.CU("recent_offset"), pb.CU("type"), &pb.C("phi_bar_tf"), &pb.C("U_bar_tf"), nullptr));
+      auto factored = [&](Tensor* phi_bar, Tensor* U_bar) {
+        return gk->TypeReadsBackwardFromFactors(
+            plan, span, pb.G("phi"), pb.G("U"), pb.G("d_o_bf16"), pb.G("den"), pb.G("gden"),
+            pb.GU("lam"), pb.GU("chunk_decay"), pb.GU("recent_offset"), pb.GU("type"), phi_bar,
+            U_bar, nullptr);
+      };
+      const Tensor phi_bar_start = ToHost(*gpu_, pb.G("phi_bar_tf")).value();
+      SMAT_ASSERT_OK_AND_ASSIGN(const bool ran, factored(&pb.G("phi_bar_tf"), &pb.G("U_bar_tf")));
+      if (ran) {
+        ++factored_reads_cases;
+        Tensor pb2 = ToDevice(*gpu_, phi_bar_start).value();
+        Tensor ub2 = Tensor::Empty({b, H, Bt, r, p}, DType::kF32, gpu_->allocator()).value();
+        SMAT_ASSERT_OK(gpu_->Fill(ub2, std::nan("")));
+        SMAT_ASSERT_OK_AND_ASSIGN(const bool again, factored(&pb2, &ub2));
+        EXPECT_TRUE(again);
+        ExpectSameBits(*gpu_,
+                       {{"phi_bar", &pb.G("phi_bar_tf"), &pb2}, {"U_bar", &pb.G("U_bar_tf"), &ub2}},
+                       "two TypeReadsBackwardFromFactors calls differ");
+        pb.Compare("TypeReadsBackward (factors)", "U_bar_tf", TileTol(cs.bf16, tol), reads);
+        pb.Compare("TypeReadsBackward (factors)", "phi_bar_tf", TileTol(cs.bf16, tol), true);
+      } else {
+        const Tensor x = ToHost(*gpu_, pb.G("U_bar_tf")).value();
+        EXPECT_TRUE(std::isnan(static_cast<const float*>(x.raw())[0]))
+            << "TypeReadsBackwardFromFactors returned false but wrote U_bar";
+      }
+    }
     if (!reads) pb.Put("U_bar", HostF32(RandomVector(b * H * Bt * r * p, 111), {b, H, Bt, r, p}));
     pb.Out("F_bar", {b, H, P, r, p});
     both("TabulateBackward", [&](SmatKernels& k, const Get& t, const Opt&) {
@@ -534,6 +577,35 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
         SMAT_ASSERT_OK_AND_ASSIGN(const bool again,
                                   fused(&g2, gated ? &dl2 : nullptr, &pb2, &sb2, &vb2));
         EXPECT_TRUE(again);
+        // gbar's column dv alone ([b, L, H]): with a bf16 d_o the same outputs,
+        // bit for bit, and that column of the full gbar; else not taken.
+        {
+          Tensor gd = empty({b, L, H}), dl3 = empty({b, L, H}), pb3 = empty({b, L, H, r}),
+                 sb3 = empty({b, L, H, r}), vb3 = empty({b, L, H, dv});
+          for (Tensor* t : {&gd, &pb3, &sb3, &vb3}) SMAT_ASSERT_OK(gpu_->Fill(*t, std::nan("")));
+          SMAT_ASSERT_OK_AND_ASSIGN(const bool column,
+                                    fused(&gd, gated ? &dl3 : nullptr, &pb3, &sb3, &vb3));
+          EXPECT_EQ(column, do_bf16) << "ChunkBackward with gbar's column alone";
+          if (column) {
+            ExpectSameBits(*gpu_,
+                           {{"phi_bar", &pb.G("phi_bar_c"), &pb3},
+                            {"psi_bar", &pb.G("psi_bar_c"), &sb3},
+                            {"v_bar", &pb.G("v_bar_c"), &vb3}},
+                           "ChunkBackward with gbar's column alone differs from gbar in full");
+            const Tensor full = ToHost(*gpu_, pb.G("gbar_c")).value();
+            const Tensor col = ToHost(*gpu_, gd).value();
+            const float* f = static_cast<const float*>(full.raw());
+            const float* c = static_cast<const float*>(col.raw());
+            int64_t differ = 0;
+            for (int64_t i = 0; i < b * L * H; ++i)
+              differ += std::memcmp(&f[i * p + dv], &c[i], 4) != 0;
+            EXPECT_EQ(differ, 0) << "gbar's column dv written alone differs from gbar's";
+          } else {
+            const Tensor x = ToHost(*gpu_, pb3).value();
+            EXPECT_TRUE(std::isnan(static_cast<const float*>(x.raw())[0]))
+                << "ChunkBackward returned false but wrote phi_bar";
+          }
+        }
         BitPairs pairs = {{"gbar", &pb.G("gbar_c"), &g2},
                           {"phi_bar", &pb.G("phi_bar_c"), &pb2},
                           {"psi_bar", &pb.G("psi_bar_c"), &sb2},
@@ -569,6 +641,7 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     EXPECT_GE(walked_cases, 4) << "the walk of ChunkStatesAndOutputs ran on too few cases";
     EXPECT_GE(fused_backward_cases, 4) << "ChunkBackward's fused path ran on too few cases";
     EXPECT_GE(fused_do_bf16_cases, 4) << "ChunkBackward's fused path ran on too few bf16 d_o";
+    EXPECT_GE(factored_reads_cases, 3) << "TypeReadsBackwardFromFactors ran on too few cases";
   }
 }
 
