@@ -194,6 +194,37 @@ __device__ __forceinline__ int StageChunk(
   return ce;
 }
 
+// Chunk k's rows that StageChunk reads (d_o, o, den, lam where not null,
+// phi) asked of L2, a thread per row and tensor pair, so that staging chunk k
+// later waits on L2 rather than on memory.
+__device__ __forceinline__ void PrefetchChunk(const SmatCudaDims& d, int64_t k, int b, int h,
+                                              const void* d_o, bool do_bf16, const void* o,
+                                              bool o_bf16, const float* den,
+                                              const __nv_bfloat16* phi, const float* lam) {
+  static_assert(kThreads == 2 * kC, "two threads to a row");
+  const int64_t c0 = k * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
+  const int m = threadIdx.x % kC;
+  if (m >= ce) return;
+  const int64_t row = TokenRow(d, b, c0, h) + static_cast<int64_t>(m) * d.H;
+  auto fetch = [](const void* at, int bytes) {
+    for (int off = 0; off < bytes; off += 128) {
+      asm volatile(
+          "prefetch.global.L2::evict_last [%0];" ::"l"(static_cast<const char*>(at) + off));
+    }
+  };
+  if (threadIdx.x < kC) {
+    const int es = do_bf16 ? 2 : 4;
+    fetch(static_cast<const char*>(d_o) + row * d.dv * es, d.dv * es);
+    fetch(den + row, 4);
+    if (lam != nullptr) fetch(lam + row, 4);
+  } else {
+    const int es = o_bf16 ? 2 : 4;
+    fetch(static_cast<const char*>(o) + row * d.dv * es, d.dv * es);
+    fetch(phi + row * d.r, d.r * 2);
+  }
+}
+
 // Columns dv + 2 .. kLd - 1 of the three planes at Bs: zero.
 __device__ __forceinline__ void PadPlanes(int dv, __nv_bfloat16* Bs) {
   const int pad = kLd - (dv + 2);
@@ -278,6 +309,8 @@ __global__ void __launch_bounds__(kThreads, 3) NormalizeBackwardRunsKernel(
                                           phi, lam, gbar, dlam_row, As, Bs, gbar_column_only);
     if (vec_in) CpAsyncWaitAll();
     __syncthreads();
+    // The next chunk down, on its way to L2 while this one's products run.
+    if (k > k0) PrefetchChunk(d, k - 1, b, h, d_o, do_bf16, o, o_bf16, den, phi, lam);
     if (kGated) {
       const float e = expf(__ldg(&cd[crow]));
       tile.Scale(e);
