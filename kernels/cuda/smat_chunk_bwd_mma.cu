@@ -376,57 +376,6 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP, kDo>& bk, const 
   StoreRows<8, kAssign>(bk, d, b, h, c0, 16 * j, 0, dv, bk.pairs_v(), hi, lo, v_bar);
 }
 
-// The column pairs (n, n + 1) of the side planes per thread, for kMats
-// matrices.
-template <int kMats>
-constexpr int kSideItems = kMats* kW*(kLd / 2) / kThreads;
-static_assert(kW * (kLd / 2) % kThreads == 0, "whole items per thread");
-
-// Side planes for OwnerSide: kMats r x p matrices (row-major, fp32; kMats = 2:
-// S then D, 1: D) split into kP bf16 planes each (planes q kP .. q kP + kP - 1
-// for matrix q), row n < r, columns k < dv, zero elsewhere. D comes with its
-// carry where Dc is not null (D + dscale Dc, SmatDBarCarry). A column pair per
-// thread and item; each batch of kBatch items issues all its loads first (one
-// memory latency per batch, not per pair), and between() runs after the
-// first batch's loads and before its stores.
-template <int kP, int kMats, int kBatch, typename Between>
-__device__ __forceinline__ void StageSidePlanes(const float* __restrict__ S,
-                                                const float* __restrict__ D,
-                                                const float* __restrict__ Dc, float dscale, int r,
-                                                int dv, int p, __nv_bfloat16* planes,
-                                                Between&& between) {
-  constexpr int kPairs = kLd / 2, kItems = kSideItems<kMats>;
-  static_assert(kItems % kBatch == 0, "whole batches");
-  const int tid = threadIdx.x;
-  for (int i0 = 0; i0 < kItems; i0 += kBatch) {
-    float x[kBatch][2], y[kBatch][2];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
-      const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
-      const bool is_d = kMats == 1 || q == 1;
-#pragma unroll
-      for (int v2 = 0; v2 < 2; ++v2) {
-        const bool in = n < r && c + v2 < dv;
-        const int64_t at = in ? static_cast<int64_t>(n) * p + c + v2 : 0;
-        x[u][v2] = in ? __ldg(&(is_d ? D : S)[at]) : 0.f;
-        y[u][v2] = is_d && in && Dc != nullptr ? __ldg(&Dc[at]) : 0.f;
-      }
-    }
-    if (i0 == 0) between();
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
-      const int rem = e - q * kW * kPairs, n = rem / kPairs, c = 2 * (rem - n * kPairs);
-      if ((kMats == 1 || q == 1) && Dc != nullptr) {
-        x[u][0] = fmaf(dscale, y[u][0], x[u][0]);
-        x[u][1] = fmaf(dscale, y[u][1], x[u][1]);
-      }
-      StoreSplitPair<kP>(&planes[q * kP * kSidePlane + n * kLd + c], kSidePlane, x[u][0], x[u][1]);
-    }
-  }
-}
-
 // grid ChunkGrid(d), kThreads threads, kSmemBytes<kP, kDo> of shared memory.
 // kAssign: the outputs are written, not added to (SmatWrite::kAssign).
 // kFull: r = dv = kW, vec_in, pairs_r and pairs_v (see Block). kP: the bf16
@@ -598,13 +547,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // The sum's correction terms folded in now, as OwnerSide would first:
     // half the registers held across the restaging (holding S_in's loads
     // across the barrier as well spills).
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        hi[nt][e] += lo[nt][e];
-        lo[nt][e] = 0.f;
-      }
+    FoldCorrections(hi, lo);
     __syncthreads();
     StageSidePlanes<kP, 1, 3>(nullptr, Sk, nullptr, 1.f, r, dv, p, planes, [] {});
     __syncthreads();
