@@ -497,9 +497,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     float dscale;
     carried(&Dc, &dscale);
     if constexpr (kP == 1) {
-      StageSidePlanes<kP, 2, 6>(Sk, Dk, Dc, dscale, r, dv, p, planes, [] {});
+      StageSidePlanes<kP, 2, 6>(Sk, Dk, Dc, dscale, r, dv, p, planes);
     } else {
-      StageSidePlanes<kP, 1, kSideItems<1>>(nullptr, Dk, Dc, dscale, r, dv, p, planes, [] {});
+      StageSidePlanes<kP, 1, kSideItems<1>>(nullptr, Dk, Dc, dscale, r, dv, p, planes);
     }
   }
   if (vec_in) CpAsyncWaitAll();
@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // across the barrier as well spills).
     FoldCorrections(hi, lo);
     __syncthreads();
-    StageSidePlanes<kP, 1, 3>(nullptr, Sk, nullptr, 1.f, r, dv, p, planes, [] {});
+    StageSidePlanes<kP, 1, 3>(nullptr, Sk, nullptr, 1.f, r, dv, p, planes);
     __syncthreads();
   }
   if (qi < bk.nb) {

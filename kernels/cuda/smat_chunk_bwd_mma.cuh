@@ -383,14 +383,12 @@ static_assert(kW * (kLd / 2) % kThreads == 0, "whole items per thread");
 // for matrix q), row n < r, columns k < dv, zero elsewhere. D comes with its
 // carry where Dc is not null (D + dscale Dc, SmatDBarCarry). A column pair per
 // thread and item; each batch of kBatch items issues all its loads first (one
-// memory latency per batch, not per pair), and between() runs after the
-// first batch's loads and before its stores.
-template <int kP, int kMats, int kBatch, typename Between>
+// memory latency per batch, not per pair).
+template <int kP, int kMats, int kBatch>
 __device__ __forceinline__ void StageSidePlanes(const float* __restrict__ S,
                                                 const float* __restrict__ D,
                                                 const float* __restrict__ Dc, float dscale, int r,
-                                                int dv, int p, __nv_bfloat16* planes,
-                                                Between&& between) {
+                                                int dv, int p, __nv_bfloat16* planes) {
   constexpr int kPairs = kLd / 2, kItems = kSideItems<kMats>;
   static_assert(kItems % kBatch == 0, "whole batches");
   const int tid = threadIdx.x;
@@ -409,7 +407,6 @@ __device__ __forceinline__ void StageSidePlanes(const float* __restrict__ S,
         y[u][v2] = is_d && in && Dc != nullptr ? __ldg(&Dc[at]) : 0.f;
       }
     }
-    if (i0 == 0) between();
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int e = tid + (i0 + u) * kThreads, q = e / (kW * kPairs);
