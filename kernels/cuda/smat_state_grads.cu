@@ -47,7 +47,7 @@
 // down and keeps summing into the same tensor-core accumulators, scaled by
 // e_k (gated) before chunk k's products, so that what they hold when chunk k
 // is reached is the run's own part of D_bar[k]: written then, in place of
-// S_in_bar[k]. RunCarriesKernel scans the runs' totals (about 200 per head at
+// S_in_bar[k]. RunCarriesKernel scans the runs' totals (about 100 per head at
 // the benchmark's shape) into what each run gets from the runs after it, and
 // B7 adds that, times the decays between, as it stages D_bar (SmatDBarCarry).
 // Neither S_in_bar nor the whole D_bar is written or read back, and
@@ -56,11 +56,16 @@
 // four at a time (registers: the accumulators stay live across the staging),
 // and the sums differ from the phases' by fp32 roundings. Speed: see
 // LaunchSmatChunkBackward's note in docs/PERFORMANCE.md (thirteenth pass):
-// ChunkBackward 6.44 ms against 6.55 ms for the four phases at d = 2.
+// ChunkBackward 6.44 ms against 6.55 ms for the four phases at d = 2. With
+// bf16 d_o and o (the trainer's and the benchmark's) the rows are staged by
+// StageChunkWide, eight lanes and 16-byte loads to a row: ChunkBackward
+// 4.45-4.52 -> 4.19-4.21 ms at d = 2 (H200, T = 524288, 8 heads, 2026-12-02;
+// 4.24 with a division per column).
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/smat_device.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
@@ -194,6 +199,122 @@ __device__ __forceinline__ int StageChunk(
   return ce;
 }
 
+// StageChunk's contract where d_o and o are bf16 rows of dv % 8 == 0
+// columns, 16-byte aligned (StageWideFits): eight lanes to a row, a 16-byte
+// load of each and eight columns a lane, so a warp takes four rows per load
+// where StageChunk takes one, and a chunk's sixteen rows per warp arrive in
+// two batches of loads instead of four. The dot products keep StageChunk's
+// order (its xor steps over the pairs 16, 8, 4 apart become xor steps over
+// the lanes 4, 2, 1 apart, then the lane's own pairs 2 and 1 apart), so
+// column dv and dlam_row have its bits. Columns < dv are d_o times the row's
+// 1 / den (one division a row, as B7 and the per-type reads form gbar from
+// its factors), where StageChunk divides each: within an ulp of its values.
+// Three batches of passes, or all four at once, spill beside the run's
+// accumulators.
+template <bool kGated>
+__device__ __forceinline__ int StageChunkWide(
+    const SmatCudaDims& d, bool vec_in, int64_t k, int b, int h,
+    const __nv_bfloat16* __restrict__ d_o, const __nv_bfloat16* __restrict__ o,
+    const float* __restrict__ den, float eps, const __nv_bfloat16* __restrict__ phi,
+    const float* __restrict__ lam, float* __restrict__ gbar, float* __restrict__ dlam_row,
+    __nv_bfloat16* As, __nv_bfloat16* Bs, bool column_only) {
+  constexpr int kLanes = 8, kRowsPerLoad = 32 / kLanes, kPasses = kC / (kWarps * kRowsPerLoad);
+  constexpr int kBatch = 2;  // passes whose loads a lane issues together
+  static_assert(kPasses % kBatch == 0 && kBatch <= kLanes, "whole batches");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane & (kLanes - 1), rq = lane / kLanes;
+  const int64_t c0 = k * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
+  const int r = d.r, dv = d.dv, p = d.p;
+  const int64_t tok = TokenRow(d, b, c0, h);
+  StageBf16Rows<kC, kW, kLd, kThreads>(phi + tok * r, static_cast<int64_t>(d.H) * r, r, ce, vec_in,
+                                       As);
+  const bool cols = kLanes * sub < dv;
+#pragma unroll
+  for (int p0 = 0; p0 < kPasses; p0 += kBatch) {
+    uint4 gx[kBatch], yx[kBatch];
+    float dn[kBatch], lt[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int m = ((p0 + u) * kWarps + warp) * kRowsPerLoad + rq;
+      const bool here = m < ce;
+      const int64_t row = tok + static_cast<int64_t>(here ? m : 0) * d.H;
+      gx[u] = yx[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (here && cols) {
+        gx[u] = __ldg(reinterpret_cast<const uint4*>(d_o + row * dv + kLanes * sub));
+        yx[u] = __ldg(reinterpret_cast<const uint4*>(o + row * dv + kLanes * sub));
+      }
+      dn[u] = __ldg(&den[row]);
+      lt[u] = kGated ? __ldg(&lam[row]) : 0.f;
+    }
+    float dot[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gx[u]);
+      const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(&yx[u]);
+      float q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 g = __bfloat1622float2(g2[i]), y = __bfloat1622float2(y2[i]);
+        q[i] = fmaf(g.y, y.y, g.x * y.x);
+      }
+#pragma unroll
+      for (int sh = kLanes / 2; sh > 0; sh >>= 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] += __shfl_xor_sync(0xffffffffu, q[i], sh);
+      }
+      dot[u] = (q[0] + q[2]) + (q[1] + q[3]);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int m = ((p0 + u) * kWarps + warp) * kRowsPerLoad + rq;
+      const bool here = m < ce;
+      const int64_t row = tok + static_cast<int64_t>(here ? m : 0) * d.H;
+      const float w = kGated ? expf(lt[u]) : 1.f;
+      if (cols) {
+        const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gx[u]);
+        const float inv = here ? 1.f / dn[u] : 0.f;
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 g = __bfloat1622float2(g2[i]);
+          x[2 * i] = g.x * inv;
+          x[2 * i + 1] = g.y * inv;
+        }
+        if (here && !column_only) {
+          float* grow = gbar + row * p + kLanes * sub;
+#pragma unroll
+          for (int c = 0; c < 8; ++c) grow[c] = x[c];
+        }
+        uint32_t part[3][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          Split3(w * x[2 * i], w * x[2 * i + 1], part[0][i], part[1][i], part[2][i]);
+        }
+#pragma unroll
+        for (int q = 0; q < 3; ++q) {
+          *reinterpret_cast<uint4*>(&Bs[q * kPlane + m * kLd + kLanes * sub]) =
+              make_uint4(part[q][0], part[q][1], part[q][2], part[q][3]);
+        }
+      }
+      // Column dv (and the 0 beside it) of pass u's rows by lane u of each row.
+      if (sub == u) {
+        const float xdv = here ? -dot[u] / dn[u] : 0.f;
+        if (here) {
+          gbar[column_only ? row : row * p + dv] = xdv;
+          if (dlam_row != nullptr) dlam_row[row] = eps * dot[u] / dn[u];
+        }
+        uint32_t part[3];
+        Split3(w * xdv, 0.f, part[0], part[1], part[2]);
+#pragma unroll
+        for (int q = 0; q < 3; ++q)
+          *reinterpret_cast<uint32_t*>(&Bs[q * kPlane + m * kLd + dv]) = part[q];
+      }
+    }
+  }
+  return ce;
+}
+
 // Chunk k's rows that StageChunk reads (d_o, o, den, lam where not null,
 // phi) asked of L2, a thread per row and tensor pair, so that staging chunk k
 // later waits on L2 rather than on memory.
@@ -277,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 // them (scaled by e_k first, gated). scale[k] = the product of e over
 // chunks k + 1 .. of the run (gated only), total[bh, s] = Sigma[first],
 // decay[bh, s] = the product of e over the run (gated only).
-template <bool kGated>
+template <bool kGated, bool kWide>
 __global__ void __launch_bounds__(kThreads, 3) NormalizeBackwardRunsKernel(
     SmatCudaDims d, bool vec_in, SmatChunkRuns rs, const void* __restrict__ d_o, bool do_bf16,
     const void* __restrict__ o, bool o_bf16, const float* __restrict__ den, float eps,
@@ -304,9 +425,15 @@ __global__ void __launch_bounds__(kThreads, 3) NormalizeBackwardRunsKernel(
     tile.Store(r, p, reinterpret_cast<float*>(As), local + crow * W, tid, kThreads);
     if (kGated && tid == 0) scale[crow] = run;
     __syncthreads();  // the phi plane is free again
-    const int ce =
-        StageChunk<kGated, kRowBatchRuns>(d, vec_in, k, b, h, d_o, do_bf16, o, o_bf16, den, eps,
-                                          phi, lam, gbar, dlam_row, As, Bs, gbar_column_only);
+    int ce;
+    if constexpr (kWide) {
+      ce = StageChunkWide<kGated>(d, vec_in, k, b, h, static_cast<const __nv_bfloat16*>(d_o),
+                                  static_cast<const __nv_bfloat16*>(o), den, eps, phi, lam, gbar,
+                                  dlam_row, As, Bs, gbar_column_only);
+    } else {
+      ce = StageChunk<kGated, kRowBatchRuns>(d, vec_in, k, b, h, d_o, do_bf16, o, o_bf16, den, eps,
+                                             phi, lam, gbar, dlam_row, As, Bs, gbar_column_only);
+    }
     if (vec_in) CpAsyncWaitAll();
     __syncthreads();
     // The next chunk down, on its way to L2 while this one's products run.
@@ -373,13 +500,20 @@ cudaError_t Launch(const SmatCudaDims& d, const void* d_o, bool do_bf16, const v
   return cudaGetLastError();
 }
 
-// The runs of a span's chunks: enough blocks for about kWaves waves of
-// NormalizeBackwardRunsKernel (three blocks per SM), at least kMinRun chunks.
-constexpr int kWaves = 4, kMinRun = 4;
+// The runs of a span's chunks: at most kWaves waves of
+// NormalizeBackwardRunsKernel (three blocks per SM), runs of one length (the
+// shortest whose runs of both parts fit in those waves), at least kMinRun
+// chunks. H200, T = 524288, 8 heads (4096 chunks a head), d = 2: runs of 21
+// chunks in four waves, 42 in two (ChunkBackward 4.19-4.21 -> 4.14 ms, one
+// run), 86 in one (4.19), 11 in eight (4.22).
+constexpr int kWaves = 2, kMinRun = 4;
 SmatChunkRuns PlanRuns(const SmatCudaDims& d) {
   const int64_t bh = std::max<int64_t>(1, static_cast<int64_t>(d.batch) * d.H);
   const int64_t blocks = int64_t{kWaves} * 3 * cuda_detail::DeviceSms();
-  const int64_t len = std::max<int64_t>(kMinRun, (int64_t{d.Lc} * bh + blocks - 1) / blocks);
+  int64_t len = std::max<int64_t>(kMinRun, (int64_t{d.Lc} * bh + blocks - 1) / blocks);
+  const int Nd = cuda_detail::DistantChunks(d), Nr = d.Lc - Nd;
+  auto count = [](int chunks, int64_t l) { return (chunks + l - 1) / l; };
+  while (len < d.Lc && bh * (count(Nd, len) + count(Nr, len)) > blocks) ++len;
   return cuda_detail::ChunkRunsOfLength(
       cuda_detail::DistantChunks(d), d.Lc,
       static_cast<int>(std::min<int64_t>(len, std::max(1, d.Lc))));
@@ -452,7 +586,14 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool
   const bool gated = lam != nullptr;
   const bool vec = d.r % 8 == 0 && fast_tiles::Aligned16(phi);
   {
-    auto kernel = gated ? NormalizeBackwardRunsKernel<true> : NormalizeBackwardRunsKernel<false>;
+    // StageChunkWide where d_o and o are bf16 rows it can load 16 bytes at a time.
+    const bool wide = do_bf16 && o_bf16 && d.dv % 8 == 0 && fast_tiles::Aligned16(d_o) &&
+                      fast_tiles::Aligned16(o);
+    auto pick = [&](auto g) {
+      constexpr bool kG = decltype(g)::value;
+      return wide ? NormalizeBackwardRunsKernel<kG, true> : NormalizeBackwardRunsKernel<kG, false>;
+    };
+    auto kernel = gated ? pick(std::true_type()) : pick(std::false_type());
     const cudaError_t err = AllowSharedMemory(kernel, kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<dim3(static_cast<unsigned>(bh), static_cast<unsigned>(runs)), kThreads, kSmemBytes,
