@@ -38,6 +38,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/smat_chunk_launch.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
 
 namespace smat {
@@ -232,32 +233,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <Kind kKind, typename In>
-cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
-                       const float* gbar, const float* lam, const float* cd, const float* M,
-                       float* out, cudaStream_t stream) {
-  constexpr size_t kSmem = sizeof(float) * kSmemFloats;
-  auto kernel = ChunkTileKernel<kKind, In>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  constexpr int V = 16 / sizeof(In);
-  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(phi) && Aligned16(psi) &&
-                   Aligned16(v);
-  const dim3 grid = cuda_detail::ChunkGrid(d);
-  kernel<<<grid, kThreads, kSmem, stream>>>(d, vec, static_cast<const In*>(phi),
-                                            static_cast<const In*>(psi),
-                                            static_cast<const In*>(v), gbar, lam, cd, M, out);
-  return cudaGetLastError();
-}
-
-template <Kind kKind>
-cudaError_t LaunchAny(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
-                      const float* gbar, const float* lam, const float* cd, const float* M,
-                      float* out, cudaStream_t stream) {
-  return d.bf16 ? LaunchKind<kKind, __nv_bfloat16>(d, phi, psi, v, gbar, lam, cd, M, out, stream)
-                : LaunchKind<kKind, float>(d, phi, psi, v, gbar, lam, cd, M, out, stream);
-}
+// The tile kernels, for the launchers of smat_chunk_launch.cuh.
+struct ChunkTiles : chunk_launch::TileBlock<Kind, kThreads, sizeof(float) * kSmemFloats> {
+  template <Kind kKind, typename In>
+  static auto Kernel() {
+    return ChunkTileKernel<kKind, In>;
+  }
+};
 
 }  // namespace
 
@@ -274,7 +256,8 @@ cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& d, const void* phi, c
   if (SmatUseMmaChunkTiles(d, /*backward=*/false)) {
     return LaunchSmatChunkOutputsMma(d, phi, psi, v, lam, S_in, ybar, stream);
   }
-  return LaunchAny<Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr, S_in, ybar, stream);
+  return chunk_launch::LaunchTile<ChunkTiles, Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr,
+                                                              S_in, ybar, stream);
 }
 
 cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& d, const void* phi,
@@ -288,15 +271,8 @@ cudaError_t LaunchSmatChunkOutputsBackwardFast(const SmatCudaDims& d, const void
     return LaunchSmatChunkOutputsBackwardMma(d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar,
                                              phi_bar, psi_bar, v_bar, assign, stream);
   }
-  cudaError_t err =
-      assign ? ZeroSmatChunkOutputsBackward(d, phi_bar, psi_bar, v_bar, stream) : cudaSuccess;
-  if (err != cudaSuccess) return err;
-  err = LaunchAny<Kind::kQuery>(d, phi, psi, v, gbar, lam, chunk_decay, S_in,
-                                            phi_bar, stream);
-  if (err != cudaSuccess) return err;
-  err = LaunchAny<Kind::kKeyPsi>(d, phi, psi, v, gbar, lam, chunk_decay, D_bar, psi_bar, stream);
-  if (err != cudaSuccess) return err;
-  return LaunchAny<Kind::kKeyV>(d, phi, psi, v, gbar, lam, chunk_decay, D_bar, v_bar, stream);
+  return chunk_launch::LaunchBackwardTiles<ChunkTiles>(
+      d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, assign, stream);
 }
 
 }  // namespace smat

@@ -47,6 +47,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "kernels/cuda/smat_chunk_launch.cuh"
 #include "kernels/cuda/smat_device.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
 
@@ -81,7 +82,6 @@ static_assert(kOffR % 4 == 0 && kLdW % 4 == 0, "R rows are stored 16 bytes at a 
 
 enum class Kind { kForward, kQuery, kKeyPsi, kKeyV };
 
-using fast_tiles::Aligned16;
 using fast_tiles::LoadVec;
 using fast_tiles::ToF;
 
@@ -505,32 +505,13 @@ constexpr bool kFusedForwardBf16 = true;
 // the walk 1.70 -> 1.45 ms; d = 1 forward 1.52 -> 1.23 ms) at up to 3.4e-3.
 constexpr int kBf16SplitPartsByDefault = 3;
 
-template <Kind kKind, typename In>
-cudaError_t LaunchKind(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
-                       const float* gbar, const float* lam, const float* cd, const float* M,
-                       float* out, cudaStream_t stream) {
-  constexpr size_t kSmem = sizeof(float) * kSmemFloats;
-  auto kernel = ChunkTileMmaKernel<kKind, In>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  constexpr int V = 16 / sizeof(In);
-  const bool vec = d.r % V == 0 && d.dv % V == 0 && Aligned16(phi) && Aligned16(psi) &&
-                   Aligned16(v);
-  const dim3 grid = cuda_detail::ChunkGrid(d);
-  kernel<<<grid, kThreads, kSmem, stream>>>(d, vec, static_cast<const In*>(phi),
-                                            static_cast<const In*>(psi),
-                                            static_cast<const In*>(v), gbar, lam, cd, M, out);
-  return cudaGetLastError();
-}
-
-template <Kind kKind>
-cudaError_t LaunchAny(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
-                      const float* gbar, const float* lam, const float* cd, const float* M,
-                      float* out, cudaStream_t stream) {
-  return d.bf16 ? LaunchKind<kKind, __nv_bfloat16>(d, phi, psi, v, gbar, lam, cd, M, out, stream)
-                : LaunchKind<kKind, float>(d, phi, psi, v, gbar, lam, cd, M, out, stream);
-}
+// The tile kernels, for the launchers of smat_chunk_launch.cuh.
+struct ChunkMmaTiles : chunk_launch::TileBlock<Kind, kThreads, sizeof(float) * kSmemFloats> {
+  template <Kind kKind, typename In>
+  static auto Kernel() {
+    return ChunkTileMmaKernel<kKind, In>;
+  }
+};
 
 }  // namespace
 
@@ -582,7 +563,8 @@ cudaError_t LaunchSmatChunkOutputsMma(const SmatCudaDims& d, const void* phi, co
   if (FusedForwardFits(d)) {
     return LaunchSmatChunkOutputsForwardFused(d, phi, psi, v, lam, S_in, ybar, stream);
   }
-  return LaunchAny<Kind::kForward>(d, phi, psi, v, nullptr, lam, nullptr, S_in, ybar, stream);
+  return chunk_launch::LaunchTile<ChunkMmaTiles, Kind::kForward>(d, phi, psi, v, nullptr, lam,
+                                                                 nullptr, S_in, ybar, stream);
 }
 
 cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& d, const void* phi,
@@ -596,15 +578,8 @@ cudaError_t LaunchSmatChunkOutputsBackwardMma(const SmatCudaDims& d, const void*
     return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar,
                                                D_bar, phi_bar, psi_bar, v_bar, assign, stream);
   }
-  cudaError_t err =
-      assign ? ZeroSmatChunkOutputsBackward(d, phi_bar, psi_bar, v_bar, stream) : cudaSuccess;
-  if (err != cudaSuccess) return err;
-  err = LaunchAny<Kind::kQuery>(d, phi, psi, v, gbar, lam, chunk_decay, S_in,
-                                            phi_bar, stream);
-  if (err != cudaSuccess) return err;
-  err = LaunchAny<Kind::kKeyPsi>(d, phi, psi, v, gbar, lam, chunk_decay, D_bar, psi_bar, stream);
-  if (err != cudaSuccess) return err;
-  return LaunchAny<Kind::kKeyV>(d, phi, psi, v, gbar, lam, chunk_decay, D_bar, v_bar, stream);
+  return chunk_launch::LaunchBackwardTiles<ChunkMmaTiles>(
+      d, phi, psi, v, lam, chunk_decay, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, assign, stream);
 }
 
 }  // namespace smat

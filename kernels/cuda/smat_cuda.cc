@@ -422,55 +422,14 @@ class CudaSmatKernels final : public SmatKernels {
     if (d_o.dtype() != DType::kBF16 || !SmatTypeReadsBackwardFactorsFit(d, phi.raw(), d_o.raw())) {
       return false;
     }
-    if (plan.n == 0) {
-      // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
-      SMAT_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
-                                      "TypeReadsBackward cudaMemsetAsync"));
-      return true;
-    }
     SmatGbarFactors gf;
     gf.d_o = d_o.raw();
     gf.den = F32(den);
     gf.gden = F32(gden);
-    SMAT_RETURN_IF_ERROR(FusedTypeReadsBackward(plan, span, d, phi, U, nullptr, &gf, lam,
-                                                chunk_decay, recent_offset, type, phi_bar, U_bar,
-                                                s));
+    SMAT_RETURN_IF_ERROR(RecentTypeReadsBackward(plan, span, d, phi, U, nullptr, &gf, lam,
+                                                 chunk_decay, recent_offset, type, phi_bar, U_bar,
+                                                 s));
     return true;
-  }
-
-  // U_bar and phi_bar in one pass over the recent tokens
-  // (LaunchSmatTypeReadsBackwardBf16), from gbar or its factors; U_bar's
-  // segments summed after it.
-  absl::Status FusedTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
-                                      const SmatCudaDims& d, const Tensor& phi, const Tensor& U,
-                                      const float* gbar, const SmatGbarFactors* factors,
-                                      const Tensor& lam, const Tensor& chunk_decay,
-                                      const Tensor& recent_offset, const Tensor& type,
-                                      Tensor* phi_bar, Tensor* U_bar, cudaStream_t s) {
-    const int64_t B = plan.geo.B;
-    CudaScratch scratch(s);
-    SmatTokenGroups groups;
-    SmatTokenWeights w;
-    SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
-                                      &scratch, s, &groups, &w));
-    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
-    const int64_t G = groups.num_groups;
-    const int segments =
-        SegmentsFor(groups.end - groups.begin, G, cuda_groups::kTokensPerTableSegment);
-    float* out = F32(U_bar);
-    SmatMatrixLayout out_lay = lay;
-    if (segments > 1) {
-      SMAT_ASSIGN_OR_RETURN(
-          out, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.H * G * segments * d.r * d.p));
-      out_lay = SmatMatrixLayout{static_cast<int64_t>(d.H) * G, 1, G};
-    }
-    SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatTypeReadsBackwardBf16(d, groups, segments, F32(U), lay,
-                                                              phi.raw(), gbar, w, out_lay, out,
-                                                              F32(phi_bar), s, factors));
-    if (segments == 1) return absl::OkStatus();
-    return CudaStatus(
-        LaunchSmatReduceSegments(d, groups.num_groups, segments, out, lay, F32(U_bar), s),
-        "TypeReadsBackward kernel");
   }
 
   absl::Status TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& phi,
@@ -487,31 +446,8 @@ class CudaSmatKernels final : public SmatKernels {
     const int64_t B = plan.geo.B;
     SMAT_RETURN_IF_ERROR(args_.CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(U_bar, {d.batch, d.H, B, d.r, d.p}, "U_bar"));
-    if (plan.n == 0) {
-      // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
-      return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
-                        "TypeReadsBackward cudaMemsetAsync");
-    }
-    if (SmatTypeReadsBackwardBf16Fits(d, phi.raw())) {
-      return FusedTypeReadsBackward(plan, span, d, phi, U, F32(gbar), nullptr, lam, chunk_decay,
-                                    recent_offset, type, phi_bar, U_bar, s);
-    }
-    CudaScratch scratch(s);
-    SmatTokenGroups groups;
-    SmatTokenWeights w;
-    SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
-                                      &scratch, s, &groups, &w));
-    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
-    // U_bar[h] = sum_t gate_t phi_t gbar_t^T (written in full, zeros when the
-    // span has no recent tokens), then phi_bar_t += gate_t U[type(t)] gbar_t.
-    SMAT_RETURN_IF_ERROR(GroupedSum(d, groups, groups.end - groups.begin, phi.raw(), gbar.raw(),
-                                    false, w, lay, F32(U_bar), &scratch, s, "TypeReadsBackward"));
-    if (groups.begin >= groups.end) return absl::OkStatus();
-    return CudaStatus(
-        LaunchSmatGroupedReads(d, groups, ReadSegmentsFor(groups, SmatReadKind::kMatVec),
-                               SmatReadKind::kMatVec, F32(U), lay, nullptr, nullptr, F32(gbar), w,
-                               nullptr, F32(phi_bar), nullptr, false, s),
-        "TypeReadsBackward kernel");
+    return RecentTypeReadsBackward(plan, span, d, phi, U, F32(gbar), nullptr, lam, chunk_decay,
+                                   recent_offset, type, phi_bar, U_bar, s);
   }
 
   absl::Status TabulateBackward(const SmatPlan& plan, const Tensor& U_bar, Tensor* F_bar,
@@ -712,6 +648,60 @@ class CudaSmatKernels final : public SmatKernels {
                               : LaunchSmatTabulate(bh, W, g.P, g.B, lists->type_offsets,
                                                    lists->type_points, lists->entries, in, out, s),
                       what);
+  }
+
+  // The adjoint of TypeReads on checked tensors: U_bar (written in full) and
+  // phi_bar += from gbar or, for the bf16 kernel, from gbar's factors (gbar is
+  // then nullptr).
+  absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
+                                       const SmatCudaDims& d, const Tensor& phi, const Tensor& U,
+                                       const float* gbar, const SmatGbarFactors* factors,
+                                       const Tensor& lam, const Tensor& chunk_decay,
+                                       const Tensor& recent_offset, const Tensor& type,
+                                       Tensor* phi_bar, Tensor* U_bar, cudaStream_t s) {
+    if (plan.n == 0) {
+      // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
+      return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
+                        "TypeReadsBackward cudaMemsetAsync");
+    }
+    const int64_t B = plan.geo.B;
+    CudaScratch scratch(s);
+    SmatTokenGroups groups;
+    SmatTokenWeights w;
+    SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
+                                      &scratch, s, &groups, &w));
+    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
+    if (factors != nullptr || SmatTypeReadsBackwardBf16Fits(d, phi.raw())) {
+      // U_bar and phi_bar in one pass over the recent tokens
+      // (LaunchSmatTypeReadsBackwardBf16); U_bar's segments summed after it.
+      const int64_t G = groups.num_groups;
+      const int segments =
+          SegmentsFor(groups.end - groups.begin, G, cuda_groups::kTokensPerTableSegment);
+      float* out = F32(U_bar);
+      SmatMatrixLayout out_lay = lay;
+      if (segments > 1) {
+        SMAT_ASSIGN_OR_RETURN(out, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.H * G *
+                                                      segments * d.r * d.p));
+        out_lay = SmatMatrixLayout{static_cast<int64_t>(d.H) * G, 1, G};
+      }
+      SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatTypeReadsBackwardBf16(d, groups, segments, F32(U), lay,
+                                                                phi.raw(), gbar, w, out_lay, out,
+                                                                F32(phi_bar), s, factors));
+      if (segments == 1) return absl::OkStatus();
+      return CudaStatus(
+          LaunchSmatReduceSegments(d, groups.num_groups, segments, out, lay, F32(U_bar), s),
+          "TypeReadsBackward kernel");
+    }
+    // U_bar[h] = sum_t gate_t phi_t gbar_t^T (written in full, zeros when the
+    // span has no recent tokens), then phi_bar_t += gate_t U[type(t)] gbar_t.
+    SMAT_RETURN_IF_ERROR(GroupedSum(d, groups, groups.end - groups.begin, phi.raw(), gbar, false, w,
+                                    lay, F32(U_bar), &scratch, s, "TypeReadsBackward"));
+    if (groups.begin >= groups.end) return absl::OkStatus();
+    return CudaStatus(
+        LaunchSmatGroupedReads(d, groups, ReadSegmentsFor(groups, SmatReadKind::kMatVec),
+                               SmatReadKind::kMatVec, F32(U), lay, nullptr, nullptr, gbar, w,
+                               nullptr, F32(phi_bar), nullptr, false, s),
+        "TypeReadsBackward kernel");
   }
 
   // Segmented grouped reduction into `out` (layout `lay`); every group's
