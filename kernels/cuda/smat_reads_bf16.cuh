@@ -199,10 +199,12 @@ __device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ks
 }
 
 // How column dv of the token side enters: not at all (a^T M), as vbar's ones
-// (M vbar) or as gbar[:, dv] (M g).
-enum class Den { kNone, kOnes, kG };
+// (M vbar), as gbar[:, dv] (M g), or as gbar[:, dv] beside a product that w
+// scales alone (M d_o, with gbar_t[0:dv] = w_t d_o_t: smat_reads_bwd_bf16.cu).
+enum class Den { kNone, kOnes, kG, kGScaled };
 
-// out[rows[t]][n] (=|+=) w[t] ((hi + lo) + den_t M[n][dv]) (w null: 1) for the warp's
+// out[rows[t]][n] (=|+=) w[t] ((hi + lo) + den_t M[n][dv]) (w null: 1; kGScaled:
+// w[t] (hi + lo) + den_t M[n][dv]) for the warp's
 // tokens t < nt and the columns n < width of n8 tiles j0 + j; the old values
 // of both of a lane's rows are loaded before any is stored (one memory
 // latency per call, not one per row); (n, n + 1) as one float2 where width is
@@ -240,7 +242,7 @@ __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float 
     const int t = t0 + g + 8 * hr;
     if (t >= nt) continue;
     const float wt = w != nullptr ? w[t] : 1.f;
-    const float den = kDen == Den::kG ? gcol[t] : 1.f;
+    const float den = kDen == Den::kG || kDen == Den::kGScaled ? gcol[t] : 1.f;
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
       float y[2];
@@ -248,8 +250,12 @@ __device__ __forceinline__ void StoreRows(const float (&hi)[kN][4], const float 
       for (int e = 0; e < 2; ++e) {
         const int n = 8 * (j0 + j) + 2 * tq + e;
         float sum = hi[j][2 * hr + e] + lo[j][2 * hr + e];
-        if (kDen != Den::kNone) sum = fmaf(den, mcol[n < kW ? n : 0], sum);
-        y[e] = old[hr][j][e] + __fmul_rn(wt, sum);
+        if constexpr (kDen == Den::kGScaled) {
+          y[e] = old[hr][j][e] + fmaf(den, mcol[n < kW ? n : 0], __fmul_rn(wt, sum));
+        } else {
+          if (kDen != Den::kNone) sum = fmaf(den, mcol[n < kW ? n : 0], sum);
+          y[e] = old[hr][j][e] + __fmul_rn(wt, sum);
+        }
       }
       const int n = 8 * (j0 + j) + 2 * tq;
       if (pairs) {

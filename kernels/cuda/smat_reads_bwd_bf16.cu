@@ -21,7 +21,14 @@
 // (w_t / den_t) d_o_t and w_t gden_t (StageFactorRows), with d_o's bf16 rows
 // read 16 bytes at a time where gbar's fp32 rows took 4: half the bytes, and
 // the backward no longer writes gbar's first dv columns at all (ChunkBackward
-// writes its column dv alone).
+// writes its column dv alone). With three parts (kRaw) d_o's rows are staged
+// as they are (StageFactorRowsRaw), so phi_bar's products take them as one
+// exact part against U's three planes (3 MMAs a step where wg's three parts
+// took 6) and scale by s_t = w_t / den_t after (Den::kGScaled); then the rows
+// are split in place into wg's planes (SplitRawRows: the values and parts
+// StageFactorRows gives them, so U_bar keeps its bits). H200, bf16,
+// T = 524288, d = 2, 8 heads (2026-12-02): TypeReadsBackward 0.949-0.960 ->
+// 0.884-0.890 ms; phi_bar within 1.2e-7 of the CPU, as before.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -48,7 +55,7 @@ constexpr int kFusedOffTok = kFusedOffMcol<kP> + kW * 4;
 template <int kP>
 constexpr int kFusedOffRows = kFusedOffTok<kP> + (1 + kP) * kTokPlane * 2;
 template <int kP>
-constexpr int kFusedSmemBytes = kFusedOffRows<kP> + kC * 8 + 2 * kC * 4;
+constexpr int kFusedSmemBytes = kFusedOffRows<kP> + kC * 8 + 3 * kC * 4;  // rows, w, gcol, s
 static_assert(kFusedOffMcol<3> == kOffMcol && kFusedOffTok<3> == kOffTok,
               "three parts: the layout of the read kernels");
 static_assert(kFusedOffTok<1> % 16 == 0 && kFusedOffRows<1> % 16 == 0, "16-byte aligned");
@@ -107,6 +114,77 @@ __device__ __forceinline__ void StageFactorRows(const SmatGbarFactors& gf, const
   }
 }
 
+// The rows of wg's factors for kRaw (below): d_o's bf16 rows as they are into
+// the first plane at dst (zeros for nt <= t < kC, and in column dv), s[t] =
+// w_t / den_t and gcol[t] = w_t gden_t; eight threads to a row, a 16-byte
+// load each, kRowBatch rows' loads issued before their first use.
+template <int kRowBatch>
+__device__ __forceinline__ void StageFactorRowsRaw(const SmatGbarFactors& gf, const int64_t* rows,
+                                                   const float* w, int dv, int nt,
+                                                   __nv_bfloat16* dst, float* gcol, float* s) {
+  constexpr int kLanes = 8, kRowsPerPass = kThreads / kLanes, kPasses = kC / kRowsPerPass;
+  static_assert(kC % kRowsPerPass == 0 && kPasses % kRowBatch == 0, "whole batches of rows");
+  const int sub = threadIdx.x % kLanes, t0 = threadIdx.x / kLanes;
+  const bool cols = 8 * sub < dv;
+  const __nv_bfloat16* d_o = static_cast<const __nv_bfloat16*>(gf.d_o);
+#pragma unroll
+  for (int p0 = 0; p0 < kPasses; p0 += kRowBatch) {
+    uint4 x[kRowBatch];
+    float dn[kRowBatch], gd[kRowBatch];
+#pragma unroll
+    for (int u = 0; u < kRowBatch; ++u) {
+      const int t = t0 + (p0 + u) * kRowsPerPass;
+      const bool live = t < nt;
+      const int64_t row = live ? rows[t] : rows[0];
+      x[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (live && cols) x[u] = __ldg(reinterpret_cast<const uint4*>(d_o + row * dv + 8 * sub));
+      dn[u] = sub == 0 ? __ldg(&gf.den[row]) : 1.f;
+      gd[u] = sub == 0 ? __ldg(&gf.gden[row]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRowBatch; ++u) {
+      const int t = t0 + (p0 + u) * kRowsPerPass;
+      if (cols) *reinterpret_cast<uint4*>(dst + t * kLdT + 8 * sub) = x[u];
+      if (sub == 0) {
+        const bool live = t < nt;
+        const float wt = live ? w[t] : 0.f;
+        s[t] = live ? wt / dn[u] : 0.f;
+        gcol[t] = wt * gd[u];
+        *reinterpret_cast<uint32_t*>(dst + t * kLdT + dv) = 0u;  // columns dv, dv + 1
+      }
+    }
+  }
+}
+
+// kRaw, once phi_bar's products have read the first plane: its d_o rows times
+// s[t], split in place into the three planes of wg (the values and parts
+// StageFactorRows gives them), and column dv (and the 0 beside it) from gcol.
+__device__ __forceinline__ void SplitRawRows(const float* s, const float* gcol, int dv,
+                                             __nv_bfloat16* dst) {
+  const int per_row = dv >> 3;
+  for (int e = threadIdx.x; e < kC * per_row; e += kThreads) {
+    const int t = e / per_row, c = 8 * (e - t * per_row);
+    __nv_bfloat16* at = dst + t * kLdT + c;
+    const uint4 x = *reinterpret_cast<const uint4*>(at);
+    const float st = s[t];
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&x);
+    uint32_t part[3][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h2[j]);
+      mma_tiles::Split3(st * f.x, st * f.y, part[0][j], part[1][j], part[2][j]);
+    }
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      *reinterpret_cast<uint4*>(at + q * kTokPlane) =
+          make_uint4(part[q][0], part[q][1], part[q][2], part[q][3]);
+    }
+  }
+  if (threadIdx.x < kC) {
+    mma_tiles::StoreSplitPair<3>(dst + threadIdx.x * kLdT + dv, kTokPlane, gcol[threadIdx.x], 0.f);
+  }
+}
+
 template <bool kFull, int kP, bool kDo>
 __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     TypeReadsBackwardKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
@@ -124,6 +202,11 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
   int64_t* rows = reinterpret_cast<int64_t*>(smem + kFusedOffRows<kP>);
   float* w = reinterpret_cast<float*>(rows + kC);
   float* gcol = w + kC;
+  float* s = gcol + kC;
+  // From gbar's factors with three parts: phi_bar's products take d_o's rows
+  // as one exact part (3 MMAs a step, not 6) and scale by s_t = w_t / den_t
+  // after; then the rows are split into wg's planes in place for U_bar.
+  constexpr bool kRaw = kDo && kP == 3;
   const cuda_detail::GroupBlock blk(groups, d, segments);
   const mma_tiles::TileWidths<kFull> wd{d.r, d.dv};
   const int r = wd.r(), dv = wd.dv(), p = wd.p();
@@ -144,7 +227,9 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     StageTokens(blk, d, tw, j0, nt, rows, w);
     StageRowsAsync(phi, rows, r, nt, Ph);
     // U_bar's accumulators stay live: fewer loads in flight.
-    if constexpr (kDo) {
+    if constexpr (kRaw) {
+      StageFactorRowsRaw<4>(gf, rows, w, dv, nt, Gs, gcol, s);
+    } else if constexpr (kDo) {
       StageFactorRows<kP, 2>(gf, rows, w, dv, nt, Gs, gcol);
     } else {
       StageSplitRows<true, kFusedSplitLoads, kP>(gbar, rows, w, dv, nt, Gs, gcol);
@@ -152,9 +237,23 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     if (j0 == blk.lo) StageMatrix<kP>(blk.Matrix(U, lay, r, p), r, p, dv, dv, Ms, mcol);
     CpAsyncWaitAll();
     __syncthreads();
+    if constexpr (kRaw) {
+      // phi_bar_t += s_t (U d_o_t) + gcol_t U[:, dv], then wg's planes.
+      if (16 * warp < nt) {
+        for (int j0n = 0; j0n < n_tiles; j0n += 4) {
+          float hi[4][4], lo[4][4];
+          Product<1, 4, false, 3>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
+          StoreRows<4, Den::kGScaled>(hi, lo, 16 * warp, j0n, nt, rows, s, gcol, mcol, r, false,
+                                      phi_bar);
+        }
+      }
+      __syncthreads();  // the first plane's d_o rows are read
+      SplitRawRows(s, gcol, dv, Gs);
+      __syncthreads();
+    }
     const int ksteps = (nt + 15) >> 4;
     for (int ks = 0; ks < ksteps; ++ks) tile.Step(ks);
-    if (16 * warp < nt) {
+    if (!kRaw && 16 * warp < nt) {
       for (int j0n = 0; j0n < n_tiles; j0n += 4) {
         float hi[4][4], lo[4][4];
         Product<kP, 4, false, kP>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
