@@ -22,7 +22,7 @@
 // read 16 bytes at a time where gbar's fp32 rows took 4: half the bytes, and
 // the backward no longer writes gbar's first dv columns at all (ChunkBackward
 // writes its column dv alone). With three parts (kRaw) d_o's rows are staged
-// as they are (StageFactorRowsRaw), so phi_bar's products take them as one
+// as they are (StageFactorRows, kRaw), so phi_bar's products take them as one
 // exact part against U's three planes (3 MMAs a step where wg's three parts
 // took 6) and scale by s_t = w_t / den_t after (Den::kGScaled); then the rows
 // are split in place into wg's planes (SplitRawRows: the values and parts
@@ -67,10 +67,12 @@ static_assert(kFusedOffTok<1> % 16 == 0 && kFusedOffRows<1> % 16 == 0, "16-byte 
 // multiple of 8 (SmatTypeReadsBackwardFactorsFit): eight threads to a row, a
 // 16-byte load each, kRowBatch rows' loads issued before their first use.
 // Half the bytes of gbar's fp32 rows, and gbar need not be written at all.
-template <int kP, int kRowBatch>
+// kRaw (below): d_o's rows as they are into the first plane at dst instead
+// (zeros in column dv), scale[t] = w_t / den_t and gcol[t] = w_t gden_t.
+template <int kP, int kRowBatch, bool kRaw = false>
 __device__ __forceinline__ void StageFactorRows(const SmatGbarFactors& gf, const int64_t* rows,
                                                 const float* w, int dv, int nt, __nv_bfloat16* dst,
-                                                float* gcol) {
+                                                float* gcol, float* scale = nullptr) {
   constexpr int kLanes = 8, kRowsPerPass = kThreads / kLanes, kPasses = kC / kRowsPerPass;
   static_assert(kC % kRowsPerPass == 0 && kPasses % kRowBatch == 0, "whole batches of rows");
   const int sub = threadIdx.x % kLanes, t0 = threadIdx.x / kLanes;
@@ -87,70 +89,38 @@ __device__ __forceinline__ void StageFactorRows(const SmatGbarFactors& gf, const
       const int64_t row = live ? rows[t] : rows[0];
       x[u] = make_uint4(0u, 0u, 0u, 0u);
       if (live && cols) x[u] = __ldg(reinterpret_cast<const uint4*>(d_o + row * dv + 8 * sub));
-      dn[u] = __ldg(&gf.den[row]);
+      dn[u] = !kRaw || sub == 0 ? __ldg(&gf.den[row]) : 1.f;
       gd[u] = sub == 0 ? __ldg(&gf.gden[row]) : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kRowBatch; ++u) {
       const int t = t0 + (p0 + u) * kRowsPerPass;
       const bool live = t < nt;
-      const float wt = live ? w[t] : 0.f;
-      const float s = live ? wt / dn[u] : 0.f;
-      if (cols) {
-        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&x[u]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(h2[j]);
-          mma_tiles::StoreSplitPair<kP>(dst + t * kLdT + 8 * sub + 2 * j, kTokPlane, s * f.x,
-                                        s * f.y);
+      if constexpr (kRaw) {
+        if (cols) *reinterpret_cast<uint4*>(dst + t * kLdT + 8 * sub) = x[u];
+        if (sub == 0) {
+          const float wt = live ? w[t] : 0.f;
+          scale[t] = live ? wt / dn[u] : 0.f;
+          gcol[t] = wt * gd[u];
+          *reinterpret_cast<uint32_t*>(dst + t * kLdT + dv) = 0u;  // columns dv, dv + 1
         }
-      }
-      if (sub == 0) {
-        const float gc = wt * gd[u];
-        gcol[t] = gc;
-        mma_tiles::StoreSplitPair<kP>(dst + t * kLdT + dv, kTokPlane, gc, 0.f);
-      }
-    }
-  }
-}
-
-// The rows of wg's factors for kRaw (below): d_o's bf16 rows as they are into
-// the first plane at dst (zeros for nt <= t < kC, and in column dv), s[t] =
-// w_t / den_t and gcol[t] = w_t gden_t; eight threads to a row, a 16-byte
-// load each, kRowBatch rows' loads issued before their first use.
-template <int kRowBatch>
-__device__ __forceinline__ void StageFactorRowsRaw(const SmatGbarFactors& gf, const int64_t* rows,
-                                                   const float* w, int dv, int nt,
-                                                   __nv_bfloat16* dst, float* gcol, float* s) {
-  constexpr int kLanes = 8, kRowsPerPass = kThreads / kLanes, kPasses = kC / kRowsPerPass;
-  static_assert(kC % kRowsPerPass == 0 && kPasses % kRowBatch == 0, "whole batches of rows");
-  const int sub = threadIdx.x % kLanes, t0 = threadIdx.x / kLanes;
-  const bool cols = 8 * sub < dv;
-  const __nv_bfloat16* d_o = static_cast<const __nv_bfloat16*>(gf.d_o);
-#pragma unroll
-  for (int p0 = 0; p0 < kPasses; p0 += kRowBatch) {
-    uint4 x[kRowBatch];
-    float dn[kRowBatch], gd[kRowBatch];
-#pragma unroll
-    for (int u = 0; u < kRowBatch; ++u) {
-      const int t = t0 + (p0 + u) * kRowsPerPass;
-      const bool live = t < nt;
-      const int64_t row = live ? rows[t] : rows[0];
-      x[u] = make_uint4(0u, 0u, 0u, 0u);
-      if (live && cols) x[u] = __ldg(reinterpret_cast<const uint4*>(d_o + row * dv + 8 * sub));
-      dn[u] = sub == 0 ? __ldg(&gf.den[row]) : 1.f;
-      gd[u] = sub == 0 ? __ldg(&gf.gden[row]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kRowBatch; ++u) {
-      const int t = t0 + (p0 + u) * kRowsPerPass;
-      if (cols) *reinterpret_cast<uint4*>(dst + t * kLdT + 8 * sub) = x[u];
-      if (sub == 0) {
-        const bool live = t < nt;
+      } else {
         const float wt = live ? w[t] : 0.f;
-        s[t] = live ? wt / dn[u] : 0.f;
-        gcol[t] = wt * gd[u];
-        *reinterpret_cast<uint32_t*>(dst + t * kLdT + dv) = 0u;  // columns dv, dv + 1
+        const float s = live ? wt / dn[u] : 0.f;
+        if (cols) {
+          const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&x[u]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h2[j]);
+            mma_tiles::StoreSplitPair<kP>(dst + t * kLdT + 8 * sub + 2 * j, kTokPlane, s * f.x,
+                                          s * f.y);
+          }
+        }
+        if (sub == 0) {
+          const float gc = wt * gd[u];
+          gcol[t] = gc;
+          mma_tiles::StoreSplitPair<kP>(dst + t * kLdT + dv, kTokPlane, gc, 0.f);
+        }
       }
     }
   }
@@ -228,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     StageRowsAsync(phi, rows, r, nt, Ph);
     // U_bar's accumulators stay live: fewer loads in flight.
     if constexpr (kRaw) {
-      StageFactorRowsRaw<4>(gf, rows, w, dv, nt, Gs, gcol, s);
+      StageFactorRows<kP, 4, true>(gf, rows, w, dv, nt, Gs, gcol, s);
     } else if constexpr (kDo) {
       StageFactorRows<kP, 2>(gf, rows, w, dv, nt, Gs, gcol);
     } else {
