@@ -68,6 +68,10 @@ cleanup() {
   # veth ends left in the root namespace by a half-made host (normally each
   # pair goes with its namespace).
   for l in "${p}a0" "${p}b0" "${p}a1" "${p}b1"; do ip link del "$l" 2>/dev/null; done
+  # Open MPI's session directories of the hosts (ompi.<host name>.<uid>), which
+  # the daemons killed with their hosts leave behind.
+  rm -rf "${OMPI_MCA_orte_tmpdir_base:-${TMPDIR:-/tmp}}/ompi.$host_a.$(id -u)" \
+    "${OMPI_MCA_orte_tmpdir_base:-${TMPDIR:-/tmp}}/ompi.$host_b.$(id -u)"
   rm -rf "$work"
 }
 trap cleanup EXIT
