@@ -86,6 +86,12 @@ ip -n "$head" addr add "$net.254/24" dev br0
 ip -n "$head" link set br0 up
 
 # host NAME ADDRESS SUFFIX: a namespace with eth0 = ADDRESS on the bridge.
+# eth0 has the same MAC address each time a host is made, as a machine that
+# reboots keeps its NIC: with a new one, a peer that still holds the old
+# address (REACHABLE for up to 45 s after their last traffic) sends into the
+# void until it expires: the restarts after host A came back hung one after
+# another (and in a trial, host B's first connection to a re-made host took
+# 28 s).
 make_host() {
   local ns=$1 address=$2 s=$3
   ip netns add "$ns" || return 1
@@ -94,6 +100,7 @@ make_host() {
   ip link set "${p}${s}1" netns "$ns" || return 1
   ip -n "$head" link set "${p}${s}0" master br0 up || return 1
   ip -n "$ns" link set "${p}${s}1" name eth0 || return 1
+  ip -n "$ns" link set eth0 address "02:53:4d:00:00:0$s" || return 1
   ip -n "$ns" addr add "$address/24" dev eth0 || return 1
   ip -n "$ns" link set eth0 up || return 1
   ip -n "$ns" link set lo up
