@@ -200,17 +200,16 @@ __device__ __forceinline__ int StageChunk(
 }
 
 // StageChunk's contract where d_o and o are bf16 rows of dv % 8 == 0
-// columns, 16-byte aligned (StageWideFits): eight lanes to a row, a 16-byte
-// load of each and eight columns a lane, so a warp takes four rows per load
-// where StageChunk takes one, and a chunk's sixteen rows per warp arrive in
-// two batches of loads instead of four. The dot products keep StageChunk's
+// columns, 16-byte aligned (LaunchSmatChunkBackward checks): eight lanes to a
+// row, a 16-byte load of each and eight columns a lane, so a warp takes four
+// rows per load where StageChunk takes one, and a chunk's sixteen rows per
+// warp arrive in two batches of loads instead of four. The dot products keep StageChunk's
 // order (its xor steps over the pairs 16, 8, 4 apart become xor steps over
 // the lanes 4, 2, 1 apart, then the lane's own pairs 2 and 1 apart), so
 // column dv and dlam_row have its bits. Columns < dv are d_o times the row's
 // 1 / den (one division a row, as B7 and the per-type reads form gbar from
 // its factors), where StageChunk divides each: within an ulp of its values.
-// Three batches of passes, or all four at once, spill beside the run's
-// accumulators.
+// All four passes' loads at once spill beside the run's accumulators.
 template <bool kGated>
 __device__ __forceinline__ int StageChunkWide(
     const SmatCudaDims& d, bool vec_in, int64_t k, int b, int h,
