@@ -200,7 +200,8 @@ __device__ __forceinline__ void Product(uint32_t a_addr, uint32_t b_addr, int ks
 
 // How column dv of the token side enters: not at all (a^T M), as vbar's ones
 // (M vbar), as gbar[:, dv] (M g), or as gbar[:, dv] beside a product that w
-// scales alone (M d_o, with gbar_t[0:dv] = w_t d_o_t: smat_reads_bwd_bf16.cu).
+// scales alone (M d_o_t for gbar's columns < dv as w[t] d_o_t:
+// smat_reads_bwd_bf16.cu).
 enum class Den { kNone, kOnes, kG, kGScaled };
 
 // out[rows[t]][n] (=|+=) w[t] ((hi + lo) + den_t M[n][dv]) (w null: 1; kGScaled:

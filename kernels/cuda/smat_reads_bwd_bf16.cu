@@ -7,7 +7,8 @@
 // U's planes keep its columns < dv only: wg's column dv (in the planes, for
 // U_bar) meets zeros there and enters phi_bar as wg_t[dv] U[:, dv] in fp32.
 // Shared memory: U's planes, U[:, dv], phi and the three planes of wg, the
-// rows, weights and wg[:, dv]: 107 KB, two blocks per SM. Ungated (w = 1) the
+// rows, weights, wg[:, dv] and (kRaw, below) the rows' scales: 107 KB, two
+// blocks per SM. Ungated (w = 1) the
 // U_bar tile sums the bf16 outer sums' planes in their order: the same bits
 // as LaunchSmatOuterSumBf16. Gated, the weight goes to gbar, so U_bar's
 // product stays 3 MMAs (the general kernel weights phi: 6). H200, bf16,
