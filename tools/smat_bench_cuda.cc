@@ -448,19 +448,27 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     } else {
       bwd.insert(bwd.end(), four.begin(), four.end());
     }
+    // The reads' gradients from gbar's factors (d_o, den and gbar's column
+    // dv) where the backend takes them so, else, as SmatBackward does, from
+    // the whole gbar formed first: asked once here, before the timing.
+    auto reads_by_factors = [&]() -> absl::StatusOr<bool> {
+      return k->TypeReadsBackwardFromFactors(plan, span, phi, U, d_o, den, gden, lam, cd, Tensor(),
+                                             Tensor(), &phi_bar, &U_bar, nullptr);
+    };
+    bool by_factors = false;
     if (long_range && fused_backward && column_only) {
-      // gbar from its factors: d_o, den and gbar's column dv.
+      SMAT_ASSIGN_OR_RETURN(by_factors, reads_by_factors());
+    }
+    if (by_factors) {
       bwd.push_back({"TypeReadsBackward", nr * (r * es + dv * es_do + 8 + r * 8) + BH * Bt * W * 8,
                      4 * nr * W, [&]() -> absl::Status {
-                       SMAT_ASSIGN_OR_RETURN(const bool ran,
-                                             k->TypeReadsBackwardFromFactors(
-                                                 plan, span, phi, U, d_o, den, gden, lam, cd,
-                                                 Tensor(), Tensor(), &phi_bar, &U_bar, nullptr));
+                       SMAT_ASSIGN_OR_RETURN(const bool ran, reads_by_factors());
                        if (!ran)
                          return absl::InternalError("TypeReadsBackward by factors did not run");
                        return absl::OkStatus();
                      }});
     } else if (long_range) {
+      if (column_only) bwd.push_back(two.front());  // the whole gbar, as SmatBackward forms it
       bwd.push_back(
           {"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8, 4 * nr * W, [&] {
              return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(), Tensor(),
