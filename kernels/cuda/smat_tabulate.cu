@@ -14,8 +14,10 @@
 // consecutive, so the loads are free of bank conflicts. The list form reads
 // a list entry and a row of the tile per term, and the tile rows of a warp's
 // terms are scattered. H200, T = 524288, d = 3 (q = 67), 8 heads, W = 4160
-// (2026-12-01): Tabulate 4.91 -> 2.70 ms, TabulateBackward 5.42 -> 2.81 ms.
-// Both give the CPU's bits (tests/gpu/smat_tabulate_gpu_test.cc).
+// (2026-12-01): Tabulate 4.91 -> 2.70 ms, TabulateBackward 5.42 -> 2.81 ms;
+// with a row's four columns staged and stored as one 16-byte access where the
+// rows allow it (2026-12-02): 2.70 -> 2.14 and 2.79 -> 2.23 ms. Both give the
+// CPU's bits (tests/gpu/smat_tabulate_gpu_test.cc).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -141,9 +143,12 @@ __device__ __forceinline__ void Add4(float4& acc, const float4& x) {
 // grid (ceil(W / kPlaneCols), batch_heads), kPlaneThreads threads, 16 n_in
 // bytes of shared memory (n_in = P, or B for the adjoint). inverses[m] =
 // 1 / m mod q.
+// vec: W a multiple of 4 and in, out 16-byte aligned, so each block's four
+// columns of a row are one aligned float4: one 16-byte load per row staged and
+// one 16-byte store per output row.
 template <bool kAdjoint>
 __global__ void __launch_bounds__(kPlaneThreads)
-    TabulatePlaneKernel(int64_t W, int q, const int32_t* __restrict__ flat_to_type,
+    TabulatePlaneKernel(int64_t W, int q, bool vec, const int32_t* __restrict__ flat_to_type,
                         const int32_t* __restrict__ inverses, const float* __restrict__ in,
                         float* __restrict__ out) {
   extern __shared__ float4 tab4[];  // [n_in]
@@ -156,7 +161,27 @@ __global__ void __launch_bounds__(kPlaneThreads)
 
   // Stage: element e = row kPlaneCols + c (a row's columns read together);
   // the adjoint's rows in flat order (row f from type flat_to_type[f]).
-  const int total = n_in * kPlaneCols;
+  if (vec) {
+    constexpr int kRows = 5;  // rows in flight per thread
+    for (int f0 = threadIdx.x; f0 < n_in; f0 += kPlaneThreads * kRows) {
+      float4 x[kRows];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        const int f = f0 + u * kPlaneThreads;
+        const int from = f < n_in ? (kAdjoint ? __ldg(&flat_to_type[f]) : f) : 0;
+        x[u] = f < n_in
+                   ? __ldg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(from) * W))
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        const int f = f0 + u * kPlaneThreads;
+        if (f < n_in) tab4[f] = x[u];
+      }
+    }
+  }
+  // Else one float at a time, a row's four columns on four threads.
+  const int total = vec ? 0 : n_in * kPlaneCols;
   constexpr int kUnroll = 8;  // loads in flight per thread
   for (int e0 = threadIdx.x; e0 < total; e0 += kPlaneThreads * kUnroll) {
     float x[kUnroll];
@@ -209,6 +234,10 @@ __global__ void __launch_bounds__(kPlaneThreads)
       row_out = x0 * q + x1;
     }
     float* o = out + (bh * n_out + row_out) * W + w0;
+    if (vec) {
+      *reinterpret_cast<float4*>(o) = acc;
+      continue;
+    }
     if (nc > 0) o[0] = acc.x;
     if (nc > 1) o[1] = acc.y;
     if (nc > 2) o[2] = acc.z;
@@ -226,7 +255,9 @@ cudaError_t LaunchPlane(int64_t batch_heads, int64_t W, int q, const int32_t* fl
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((W + kPlaneCols - 1) / kPlaneCols),
                   static_cast<unsigned>(batch_heads));
-  kernel<<<grid, kPlaneThreads, smem, stream>>>(W, q, flat_to_type, inverses, in, out);
+  auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  const bool vec = W % kPlaneCols == 0 && aligned16(in) && aligned16(out);
+  kernel<<<grid, kPlaneThreads, smem, stream>>>(W, q, vec, flat_to_type, inverses, in, out);
   return cudaGetLastError();
 }
 

@@ -7,7 +7,9 @@
 // q = 67 (T = 524288); d = 2 and d = 4, and every d under
 // SMAT_CUDA_GROUPED=general (the gpu_smat_general_test variant), the
 // incidence-list kernels. Rows of 35 floats leave the last column tile of a
-// block partial, rows of 6 fill less than one; outputs are NaN-poisoned.
+// block partial, rows of 6 fill less than one, rows of 36 are whole aligned
+// tiles (the plane kernels' 16-byte loads and stores); outputs are
+// NaN-poisoned.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -74,7 +76,7 @@ TEST_F(SmatTabulateGpuTest, MatchesTheCpuBitForBit) {
     SmatPlan plan;
     SMAT_ASSERT_OK_AND_ASSIGN(plan.geo, MakeGeometry(geo.d, geo.q));
     const SmatGeometry& g = plan.geo;
-    for (const auto& [r, p] : {std::pair<int64_t, int64_t>{5, 7}, {2, 3}}) {
+    for (const auto& [r, p] : {std::pair<int64_t, int64_t>{5, 7}, {2, 3}, {4, 9}}) {
       const int64_t batch = 1, H = 2;
       const std::string name = "d=" + std::to_string(geo.d) + " q=" + std::to_string(geo.q) +
                                " W=" + std::to_string(r * p);
