@@ -57,7 +57,12 @@
 // At d = 2 (walk with the reads 1.71 ms), not kept either: the reads loaded
 // into the accumulators before the state term (1.90 ms) or added after it,
 // before the barrier (1.79 ms); the starts and the walk as programmatic
-// dependent launches (1.72 ms, and no change at d = 1).
+// dependent launches (1.72 ms, and no change at d = 1); the distant
+// segments, which read no reads, launched on their own before the wait for
+// them, beside the per-type reads on the side stream (the forward 2.23 ->
+// 2.56 ms; 2.37 with the recent part cut to fill a wave alone; 2.52 with
+// the side stream at the walk's priority: half a wave of walks at one block
+// per SM gains less than the reads lose to it, 2026-12-02).
 // Nsight Compute (at 1.37 ms): issue slots 47%, L1 62%, tensor pipe 35%, 0.9
 // eligible warps per scheduler of 3.7; warps stalled on fixed-latency
 // dependences 24% of the samples, at the barrier after the query blocks 15%.
