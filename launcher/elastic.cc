@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "launcher/child_process.h"
 
 namespace smat {
 namespace {
@@ -99,14 +100,7 @@ absl::Status ProbeHost(const std::vector<std::string>& agent, const std::string&
     ::setpgid(0, 0);  // its own group: a timeout kills the agent and its children
     const int null = ::open("/dev/null", O_RDONLY);
     if (null >= 0) ::dup2(null, STDIN_FILENO);
-    ::dup2(fds[1], STDOUT_FILENO);
-    ::dup2(fds[1], STDERR_FILENO);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execvp(args[0], args.data());
-    std::fprintf(stderr, "cannot run '%s': %s\n", args[0], std::strerror(errno));
-    ::_exit(127);
+    ExecWithOutput(argv, fds[1], "");
   }
   ::close(fds[1]);
   if (child < 0) {

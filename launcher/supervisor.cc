@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "core/exit_codes.h"
+#include "launcher/child_process.h"
 
 namespace smat {
 namespace {
@@ -173,14 +174,7 @@ AttemptRecord Supervisor::RunAttempt(int attempt, double backoff_s) {
     // If the launcher dies without forwarding anything, the job goes too.
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != parent) ::_exit(kExitFailure);
-    ::dup2(fds[1], STDOUT_FILENO);
-    ::dup2(fds[1], STDERR_FILENO);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execvp(args[0], args.data());
-    std::fprintf(stderr, "smat_launch: cannot run '%s': %s\n", args[0], std::strerror(errno));
-    ::_exit(127);
+    ExecWithOutput(argv, fds[1], "smat_launch: ");
   }
   ::close(fds[1]);
   if (child < 0) {
