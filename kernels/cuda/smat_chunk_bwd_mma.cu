@@ -315,7 +315,12 @@ __device__ __forceinline__ void KeyRowsV(const Block<kFull, kP, kDo>& bk, const 
   cuda_detail::ZeroAcc(lo);
   // psi_j's A fragments, the same for every query block, loaded once (B7
   // 4.93-4.97 -> 4.90-4.94 ms). KeyRowsPsi keeps loading vbar_j's per block:
-  // holding them too spills the gated kernels.
+  // holding them too spills the gated kernels. Held in the ungated kernels
+  // only, with QuerySums holding d_o_i's as well (a quarter of the causal
+  // sums' ldmatrix, 127 registers, no spills), they changed nothing:
+  // ChunkBackward 4.058-4.064 against 4.063 ms (H200, bf16, T = 524288,
+  // d = 2, 8 heads, 2026-12-02; 3.50 against 3.45 ms with one part), so the
+  // fragments' loads are not what bounds the kernel.
   uint32_t ap[4][4];
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
