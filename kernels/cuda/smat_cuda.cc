@@ -32,11 +32,13 @@ float* F32(Tensor* t) { return t != nullptr ? static_cast<float*>(t->raw()) : nu
 
 using cuda_groups::CheckGroups;
 using cuda_groups::ChunkOffsets;
+using cuda_groups::GroupedSum;
 using cuda_groups::GroupTokens;
 using cuda_groups::IncidenceCache;
 using cuda_groups::IncidenceLists;
 using cuda_groups::ReadSegmentsFor;
 using cuda_groups::RecentGroups;
+using cuda_groups::RecentTypeReadsBackward;
 using cuda_groups::SegmentsFor;
 
 class CudaSmatKernels final : public SmatKernels {
@@ -647,81 +649,6 @@ class CudaSmatKernels final : public SmatKernels {
                                                    lists->point_types, lists->entries, in, out, s)
                               : LaunchSmatTabulate(bh, W, g.P, g.B, lists->type_offsets,
                                                    lists->type_points, lists->entries, in, out, s),
-                      what);
-  }
-
-  // The adjoint of TypeReads on checked tensors: U_bar (written in full) and
-  // phi_bar += from gbar or, for the bf16 kernel, from gbar's factors (gbar is
-  // then nullptr).
-  absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
-                                       const SmatCudaDims& d, const Tensor& phi, const Tensor& U,
-                                       const float* gbar, const SmatGbarFactors* factors,
-                                       const Tensor& lam, const Tensor& chunk_decay,
-                                       const Tensor& recent_offset, const Tensor& type,
-                                       Tensor* phi_bar, Tensor* U_bar, cudaStream_t s) {
-    if (plan.n == 0) {
-      // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
-      return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
-                        "TypeReadsBackward cudaMemsetAsync");
-    }
-    const int64_t B = plan.geo.B;
-    CudaScratch scratch(s);
-    SmatTokenGroups groups;
-    SmatTokenWeights w;
-    SMAT_RETURN_IF_ERROR(RecentGroups(plan, span, d, lam, chunk_decay, recent_offset, type,
-                                      &scratch, s, &groups, &w));
-    const SmatMatrixLayout lay{static_cast<int64_t>(d.H) * B, 1, B};
-    if (factors != nullptr || SmatTypeReadsBackwardBf16Fits(d, phi.raw())) {
-      // U_bar and phi_bar in one pass over the recent tokens
-      // (LaunchSmatTypeReadsBackwardBf16); U_bar's segments summed after it.
-      const int64_t G = groups.num_groups;
-      const int segments =
-          SegmentsFor(groups.end - groups.begin, G, cuda_groups::kTokensPerTableSegment);
-      float* out = F32(U_bar);
-      SmatMatrixLayout out_lay = lay;
-      if (segments > 1) {
-        SMAT_ASSIGN_OR_RETURN(out, scratch.Get<float>(static_cast<int64_t>(d.batch) * d.H * G *
-                                                      segments * d.r * d.p));
-        out_lay = SmatMatrixLayout{static_cast<int64_t>(d.H) * G, 1, G};
-      }
-      SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatTypeReadsBackwardBf16(d, groups, segments, F32(U), lay,
-                                                                phi.raw(), gbar, w, out_lay, out,
-                                                                F32(phi_bar), s, factors));
-      if (segments == 1) return absl::OkStatus();
-      return CudaStatus(
-          LaunchSmatReduceSegments(d, groups.num_groups, segments, out, lay, F32(U_bar), s),
-          "TypeReadsBackward kernel");
-    }
-    // U_bar[h] = sum_t gate_t phi_t gbar_t^T (written in full, zeros when the
-    // span has no recent tokens), then phi_bar_t += gate_t U[type(t)] gbar_t.
-    SMAT_RETURN_IF_ERROR(GroupedSum(d, groups, groups.end - groups.begin, phi.raw(), gbar, false, w,
-                                    lay, F32(U_bar), &scratch, s, "TypeReadsBackward"));
-    if (groups.begin >= groups.end) return absl::OkStatus();
-    return CudaStatus(
-        LaunchSmatGroupedReads(d, groups, ReadSegmentsFor(groups, SmatReadKind::kMatVec),
-                               SmatReadKind::kMatVec, F32(U), lay, nullptr, nullptr, gbar, w,
-                               nullptr, F32(phi_bar), nullptr, false, s),
-        "TypeReadsBackward kernel");
-  }
-
-  // Segmented grouped reduction into `out` (layout `lay`); every group's
-  // matrix is written, zeros for empty groups.
-  absl::Status GroupedSum(const SmatCudaDims& d, const SmatTokenGroups& groups, int64_t len,
-                          const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
-                          const SmatMatrixLayout& lay, float* out, CudaScratch* scratch,
-                          cudaStream_t s, const char* what,
-                          int64_t tokens = cuda_groups::kTokensPerSegment) {
-    const int segments = SegmentsFor(len, groups.num_groups, tokens);
-    if (segments == 1) {
-      return CudaStatus(LaunchSmatGroupedOuterSum(d, groups, 1, a, b, b_is_v, w, lay, out, s), what);
-    }
-    const int64_t G = groups.num_groups;
-    SMAT_ASSIGN_OR_RETURN(float* partial, scratch->Get<float>(static_cast<int64_t>(d.batch) * d.H *
-                                                              G * segments * d.r * d.p));
-    const SmatMatrixLayout part{static_cast<int64_t>(d.H) * G, 1, G};
-    SMAT_CUDA_RETURN_IF_ERROR(
-        LaunchSmatGroupedOuterSum(d, groups, segments, a, b, b_is_v, w, part, partial, s));
-    return CudaStatus(LaunchSmatReduceSegments(d, groups.num_groups, segments, partial, lay, out, s),
                       what);
   }
 

@@ -2,7 +2,8 @@
 // group's tokens are cut into, the token groups of a part of the span
 // (content lists or a positional progression), the chunk offsets of the
 // gates, and the incidence lists of Algorithm 2 on the device, built once per
-// geometry and kept (IncidenceCache). Scratch memory: cuda_scratch.h.
+// geometry and kept (IncidenceCache), and the grouped reductions built on
+// them (GroupedSum, RecentTypeReadsBackward). Scratch memory: cuda_scratch.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -106,6 +107,26 @@ absl::Status RecentGroups(const SmatPlan& plan, const SmatSpan& span, const Smat
 // LaunchSmatChunkOffsets) in scratch memory.
 absl::StatusOr<const float*> ChunkOffsets(const SmatCudaDims& d, const float* chunk_decay,
                                           CudaScratch* scratch, cudaStream_t s);
+
+// Segmented grouped reduction of `len` tokens into `out` (layout `lay`):
+// LaunchSmatGroupedOuterSum over segments of about `tokens` tokens, the
+// partial matrices (scratch) then added in segment order
+// (LaunchSmatReduceSegments). Every group's matrix is written, zeros for
+// empty groups. `what` names the phase in errors.
+absl::Status GroupedSum(const SmatCudaDims& d, const SmatTokenGroups& groups, int64_t len,
+                        const void* a, const void* b, bool b_is_v, const SmatTokenWeights& w,
+                        const SmatMatrixLayout& lay, float* out, CudaScratch* scratch,
+                        cudaStream_t s, const char* what, int64_t tokens = kTokensPerSegment);
+
+// The adjoint of TypeReads on checked tensors: U_bar (written in full) and
+// phi_bar += from gbar or, for the bf16 kernel, from gbar's factors (gbar is
+// then nullptr).
+absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
+                                     const SmatCudaDims& d, const Tensor& phi, const Tensor& U,
+                                     const float* gbar, const SmatGbarFactors* factors,
+                                     const Tensor& lam, const Tensor& chunk_decay,
+                                     const Tensor& recent_offset, const Tensor& type,
+                                     Tensor* phi_bar, Tensor* U_bar, cudaStream_t s);
 
 }  // namespace cuda_groups
 }  // namespace smat
