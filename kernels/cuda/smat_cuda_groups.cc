@@ -196,8 +196,7 @@ absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
     // U_bar and phi_bar in one pass over the recent tokens
     // (LaunchSmatTypeReadsBackwardBf16); U_bar's segments summed after it.
     const int64_t G = groups.num_groups;
-    const int segments =
-        SegmentsFor(groups.end - groups.begin, G, cuda_groups::kTokensPerTableSegment);
+    const int segments = SegmentsFor(groups.end - groups.begin, G, kTokensPerTableSegment);
     float* out = F32(U_bar);
     SmatMatrixLayout out_lay = lay;
     if (segments > 1) {
