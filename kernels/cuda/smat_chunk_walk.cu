@@ -67,6 +67,11 @@
 // eligible warps per scheduler of 3.7; warps stalled on fixed-latency
 // dependences 24% of the samples, at the barrier after the query blocks 15%.
 //
+// Where it writes no S_in (the forward for inference) the walk at r = dv =
+// 64 runs on warpgroup MMAs on an H200 (smat_chunk_walk_wgmma.sm90a.cu,
+// SmatWalkOnWgmma): faster there, slower than ChunkWalkKernel where S_in is
+// written.
+//
 // The block shape and the shared pieces: smat_chunk_fwd_mma.cuh.
 #include <cuda_bf16.h>
 
@@ -75,6 +80,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/smat_chunk_fwd_mma.cuh"
+#include "kernels/cuda/smat_chunk_walk_wgmma.h"
 #include "kernels/cuda/smat_cuda_kernels.h"
 #include "kernels/cuda/smat_device.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
@@ -441,6 +447,9 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
   if (reads_ready != nullptr) {
     const cudaError_t err = cudaStreamWaitEvent(stream, reads_ready, 0);
     if (err != cudaSuccess) return err;
+  }
+  if (kFull && SmatWalkOnWgmma(/*keeps_states=*/S_in != nullptr)) {
+    return LaunchChunkWalkWgmma(d, ws, phi, psi, v, starts, S_in, out, kP, stream);
   }
   auto kernel = ChunkWalkKernel<kFull, kP>;
   const cudaError_t err = AllowSharedMemory(kernel, kSmemNormBytes);

@@ -76,6 +76,14 @@ inline bool Bf16TwoParts() {
   return env != nullptr && std::string(env) == "2";
 }
 inline constexpr double kBf16TwoPartsTol = 1.0 / 16384;
+// Whether SMAT_CUDA_CHUNK_TILES leaves the chunk tiles of bf16 inputs on
+// tensor cores (unset, "mma", "wgmma"), where ungated bf16 inputs at r, dv
+// <= 64 and c <= 128 are walked (ChunkStatesAndOutputs); "ffma" and
+// "general" run the three phases instead.
+inline bool TensorCoreChunkTiles() {
+  const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
+  return env == nullptr || *env == '\0' || std::string(env) == "mma" || std::string(env) == "wgmma";
+}
 // The tolerance of a phase that runs the fused bf16 tiles (the forward tile,
 // NormalizedOutputs, the walk, B7) or, with one part, the per-type reads of
 // bf16 rows; or of the op's o.

@@ -347,11 +347,8 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       };
       SMAT_ASSERT_OK_AND_ASSIGN(const bool walked,
                                 walk(&pb.G("S_in_w"), &pb.G("o_w"), &pb.G("den_w")));
-      const char* tiles = std::getenv("SMAT_CUDA_CHUNK_TILES");
-      const bool default_tiles =
-          tiles == nullptr || *tiles == '\0' || std::strcmp(tiles, "mma") == 0;
       const bool walks = cs.bf16 && !gated && r <= 64 && dv >= 32 && dv <= 64 && sp.chunk <= 128;
-      if (default_tiles) {
+      if (TensorCoreChunkTiles()) {
         EXPECT_EQ(walked, walks) << "ChunkStatesAndOutputs";
       }
       if (walked) {
