@@ -111,14 +111,15 @@ SmatPlan SmatOpPlan(const SmatPlan& plan, bool content_maps) {
 }
 
 absl::Status SmatForward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
-                         SmatForwardOutputs* fwd, Stream* stream) {
+                         SmatForwardOutputs* fwd, Stream* stream, SmatKeep keep) {
   SMAT_ASSIGN_OR_RETURN(SmatKernels * k, backend.smat());
-  return SmatForward(backend, *k, plan, in, fwd, stream);
+  return SmatForward(backend, *k, plan, in, fwd, stream, keep);
 }
 
-absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan& op_plan,
-                         const SmatInputs& in, SmatForwardOutputs* fwd, Stream* stream) {
-  SMAT_CHECK(fwd != nullptr);
+namespace {
+
+absl::Status Forward(Backend& backend, SmatKernels& kernels, const SmatPlan& op_plan,
+                     const SmatInputs& in, bool keep, SmatForwardOutputs* fwd, Stream* stream) {
   const SmatPlan plan = SmatOpPlan(op_plan, in.prof.defined() || in.type.defined());
   const SmatSpan span = SmatSpan::Whole(plan);
   SMAT_ASSIGN_OR_RETURN(SmatDims d, CheckSmatInputs(plan, span, in));
@@ -170,12 +171,19 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
   SMAT_ASSIGN_OR_RETURN(fwd->o, Tensor::Empty({d.batch, d.L, d.H, d.dv}, in.v.dtype(),
                                               backend.allocator()));
   SMAT_ASSIGN_OR_RETURN(sv.den, Alloc(backend, {d.batch, d.L, d.H}));
-  SMAT_ASSIGN_OR_RETURN(sv.S_in, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  // Without backward the walk keeps no states (S_in null); the three phases
+  // pass them from the scan to the outputs either way.
+  if (keep) {
+    SMAT_ASSIGN_OR_RETURN(sv.S_in, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  }
   SMAT_ASSIGN_OR_RETURN(
       const bool walked,
       k->ChunkStatesAndOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.chunk_decay, Tensor(),
-                               reads, in.eps, &sv.S_in, &fwd->o, &sv.den, stream));
+                               reads, in.eps, keep ? &sv.S_in : nullptr, &fwd->o, &sv.den, stream));
   if (walked) return k->JoinSide(stream);  // joined before the reads: a no-op
+  if (!keep) {
+    SMAT_ASSIGN_OR_RETURN(sv.S_in, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
+  }
   SMAT_ASSIGN_OR_RETURN(Tensor D, Alloc(backend, {d.batch, d.Lc, d.H, d.r, d.p}));
   SMAT_RETURN_IF_ERROR(
       k->ChunkSummaries(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, &D, stream));
@@ -186,6 +194,20 @@ absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan&
   SMAT_RETURN_IF_ERROR(k->JoinSide(stream));
   return k->NormalizedOutputs(plan, span, in.phi, in.psi, in.v, sv.lam, sv.S_in, reads, in.eps,
                               &fwd->o, &sv.den, stream);
+}
+
+}  // namespace
+
+absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
+                         const SmatInputs& in, SmatForwardOutputs* fwd, Stream* stream,
+                         SmatKeep keep) {
+  SMAT_CHECK(fwd != nullptr);
+  const bool for_backward = keep == SmatKeep::kForBackward;
+  const absl::Status st = Forward(backend, kernels, plan, in, for_backward, fwd, stream);
+  // The saved tensors go back to the backend's allocator, which hands a
+  // block out again only once the work queued on it is done.
+  if (!for_backward) fwd->saved = SmatSaved();
+  return st;
 }
 
 absl::Status SmatBackward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
@@ -206,6 +228,11 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   const int64_t P = plan.geo.P, B = plan.geo.B;
   const SmatSaved& sv = fwd.saved;
   const bool gated = in.logg.defined();
+  if (fwd.o.defined() && !sv.S_in.defined() && !sv.U.defined() && !sv.den.defined()) {
+    return absl::InvalidArgumentError(
+        "smat: SmatBackward needs what SmatForward keeps for it; this forward ran with "
+        "SmatKeep::kNothing (inference) and kept nothing");
+  }
   if (!sv.S_in.defined() || !sv.U.defined() || !sv.den.defined() || !fwd.o.defined() ||
       gated != sv.lam.defined()) {
     return absl::InvalidArgumentError(

@@ -93,9 +93,20 @@ struct SmatGradients {
   Tensor logg;  // [batch, T, H] fp32 (undefined when ungated)
 };
 
+// What SmatForward keeps in fwd->saved: everything SmatBackward needs
+// (training), or nothing (inference, evaluation). Without it fwd->saved
+// stays empty, and where the backend walks the chunks
+// (SmatKernels::ChunkStatesAndOutputs) the chunks' incoming states, O(T/c r p)
+// floats, are never allocated or written. o agrees with the training
+// forward's: bit for bit where the same kernels run (the CPU backend), within
+// the rounding of its dtype where the backend walks on other kernels then
+// (the CUDA backend on an H200); each repeats bit for bit.
+enum class SmatKeep { kForBackward, kNothing };
+
 // Forward over [0, T): allocates fwd->o and fwd->saved on backend's device.
 absl::Status SmatForward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
-                         SmatForwardOutputs* fwd, Stream* stream = nullptr);
+                         SmatForwardOutputs* fwd, Stream* stream = nullptr,
+                         SmatKeep keep = SmatKeep::kForBackward);
 
 // Backward of L = sum(d_o * o): allocates and fills *grads.
 absl::Status SmatBackward(Backend& backend, const SmatPlan& plan, const SmatInputs& in,
@@ -106,7 +117,8 @@ absl::Status SmatBackward(Backend& backend, const SmatPlan& plan, const SmatInpu
 // The same with an explicit phase implementation (backend provides memory and
 // Fill; kernels must run on its device), e.g. to compare two implementations.
 absl::Status SmatForward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
-                         const SmatInputs& in, SmatForwardOutputs* fwd, Stream* stream = nullptr);
+                         const SmatInputs& in, SmatForwardOutputs* fwd, Stream* stream = nullptr,
+                         SmatKeep keep = SmatKeep::kForBackward);
 absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan& plan,
                           const SmatInputs& in, const SmatForwardOutputs& fwd, const Tensor& d_o,
                           SmatGradients* grads, Stream* stream = nullptr);

@@ -282,7 +282,7 @@ class SmatKernels {
       const Tensor& incoming,     // [batch, 2, H, r, p] or undefined (0)
       const Tensor& reads,        // [batch, L, H, p] or undefined (none)
       float eps,
-      Tensor* S_in,  // [batch, Lc, H, r, p]
+      Tensor* S_in,  // [batch, Lc, H, r, p], or null: not kept (inference)
       Tensor* o,     // [batch, L, H, dv], phi's dtype or fp32
       Tensor* den,   // [batch, L, H]
       Stream* stream) {

@@ -285,7 +285,9 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
     SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(incoming, {d.batch, 2, d.H, d.r, d.p}, "incoming"));
     SMAT_RETURN_IF_ERROR(args_.CheckOptionalF32(reads, {d.batch, d.L, d.H, d.p}, "reads"));
-    SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    if (S_in != nullptr) {  // null: the states are not kept
+      SMAT_RETURN_IF_ERROR(args_.CheckOut(S_in, {d.batch, d.Lc, d.H, d.r, d.p}, "S_in"));
+    }
     SMAT_RETURN_IF_ERROR(CheckNormalizedOutputs(d, phi, o, den));
     // The walk carries ungated states into the bf16 outputs of the fused tile.
     if (lam.defined() || o->dtype() != DType::kBF16 || !SmatNormalizedOutputsFused(d)) {

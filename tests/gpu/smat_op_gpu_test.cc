@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -211,6 +212,88 @@ TEST_F(SmatOpGpuTest, SideStreamForwardsBackToBack) {
     ASSERT_EQ(o2.nbytes(), o2_again.nbytes());
     EXPECT_EQ(std::memcmp(o2.raw(), o2_again.raw(), o2.nbytes()), 0)
         << "the same forward twice gave different bits";
+  }
+}
+
+// SmatKeep::kNothing (inference) on the GPU: o as the forward that keeps the
+// states for backward gives it, nothing kept, and, where the chunks
+// are walked (ungated bf16), a peak that leaves out the chunks' incoming
+// states; gated (or with SMAT_CUDA_CHUNK_TILES=ffma or general), the three
+// phases pass them through memory either way.
+TEST_F(SmatOpGpuTest, ForwardWithoutBackwardKeepsNoStates) {
+  for (bool gated : {false, true}) {
+    SCOPED_TRACE(gated ? "gated" : "ungated");
+    const ProblemSpec sp{.batch = 1,
+                         .T = 8192 + 77,
+                         .H = 2,
+                         .r = 64,
+                         .dv = 64,
+                         .d = 2,
+                         .chunk = 128,
+                         .gated = gated,
+                         .eps = 1e-3,
+                         .seed = 43};
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatPlan plan, MakeSmatPlan(sp.T, sp.d, sp.chunk));
+    const SmatReferenceProblem pr = RandomProblem(plan, sp);
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatInputs in, LoadInputs(*gpu_, pr, /*bf16=*/true));
+    Allocator& alloc = gpu_->allocator();
+    SmatForwardOutputs train, infer;
+    SMAT_ASSERT_OK(gpu_->Synchronize(nullptr));
+    alloc.ResetPeak();
+    const int64_t base_train = alloc.stats().in_use_bytes;
+    SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in, &train));
+    SMAT_ASSERT_OK(gpu_->Synchronize(nullptr));
+    const int64_t peak_train = alloc.stats().peak_bytes - base_train;
+    alloc.ResetPeak();
+    const int64_t base_infer = alloc.stats().in_use_bytes;
+    SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in, &infer, nullptr, SmatKeep::kNothing));
+    SMAT_ASSERT_OK(gpu_->Synchronize(nullptr));
+    const int64_t peak_infer = alloc.stats().peak_bytes - base_infer;
+    EXPECT_FALSE(infer.saved.S_in.defined() || infer.saved.U.defined() ||
+                 infer.saved.den.defined() || infer.saved.lam.defined());
+    ASSERT_TRUE(train.saved.S_in.defined());
+    SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_train, ToHost(*gpu_, train.o));
+    SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_infer, ToHost(*gpu_, infer.o));
+    ASSERT_EQ(o_train.nbytes(), o_infer.nbytes());
+    const std::vector<double> ot = Values(o_train), oi = Values(o_infer);
+    EXPECT_GT(MaxAbs(oi), 0.0);
+    // Ungated on an H200 the forward without states walks on warpgroup MMAs
+    // and the one that keeps them on mma.sync (SmatWalkOnWgmma), unless
+    // SMAT_CUDA_CHUNK_TILES takes one kernel for both: then the same bits.
+    const char* tiles = std::getenv("SMAT_CUDA_CHUNK_TILES");
+    if (gated || (tiles != nullptr && *tiles != '\0')) {
+      EXPECT_EQ(std::memcmp(o_train.raw(), o_infer.raw(), o_train.nbytes()), 0)
+          << "the forward without backward gave other bits";
+    } else {
+      double err = 0.0;
+      for (size_t j = 0; j < ot.size(); ++j) {
+        err = std::isfinite(oi[j]) ? std::max(err, std::abs(oi[j] - ot[j])) : INFINITY;
+      }
+      err /= std::max(MaxAbs(ot), kGradScaleFloor);
+      std::printf("forward without states, ungated: o against the forward keeping them %.3g\n",
+                  err);
+      // Each o is its fp32 value rounded to bf16 (half an ulp, 2^-8 of it),
+      // and the two fp32 values differ in their last bits: a rounding may go
+      // either way, one ulp apart (up to 2^-7 of the value).
+      EXPECT_LE(err, TileTol(true, 2 * kBf16OutTol));
+      SmatForwardOutputs again;
+      SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in, &again, nullptr, SmatKeep::kNothing));
+      SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_again, ToHost(*gpu_, again.o));
+      EXPECT_EQ(std::memcmp(o_again.raw(), o_infer.raw(), o_infer.nbytes()), 0)
+          << "the forward without backward gave other bits when run again";
+    }
+    const int64_t states = train.saved.S_in.nbytes();
+    std::printf("forward peak %s: %lld bytes keeping the states, %lld without (states %lld)\n",
+                gated ? "gated" : "ungated", static_cast<long long>(peak_train),
+                static_cast<long long>(peak_infer), static_cast<long long>(states));
+    if (!gated && TensorCoreChunkTiles()) EXPECT_LE(peak_infer, peak_train - states);
+    EXPECT_LE(peak_infer, peak_train);
+    SmatGradients grads;
+    SMAT_ASSERT_OK_AND_ASSIGN(
+        Tensor d_o, ToDevice(*gpu_, HostF32(RandomVector(pr.batch * pr.T * pr.H * pr.dv, 44),
+                                            {pr.batch, pr.T, pr.H, pr.dv})));
+    const absl::Status st = SmatBackward(*gpu_, plan, in, infer, d_o, &grads);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   }
 }
 

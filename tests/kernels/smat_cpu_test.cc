@@ -449,6 +449,47 @@ TEST(SmatCpuTest, CpuBackendServesTheCpuPhases) {
   EXPECT_EQ(ToDouble(grads.logg), direct.d_logg);
 }
 
+// SmatKeep::kNothing (inference): the same o bits, nothing kept, and a
+// backward from it fails saying why. Positional d = 2 (the long-range
+// branch) and gated d = 3 with content maps (tabulation, lam, chunk decays).
+TEST(SmatCpuTest, ForwardWithoutBackwardKeepsNothingAndGivesTheSameOutputs) {
+  const ProblemSpec specs[] = {{.T = 300, .H = 2, .r = 7, .dv = 5, .d = 2, .chunk = 16},
+                               {.batch = 2,
+                                .T = 250,
+                                .H = 3,
+                                .r = 6,
+                                .dv = 4,
+                                .d = 3,
+                                .chunk = 32,
+                                .gated = true,
+                                .content = true}};
+  auto backend = CreateBackend(Device::Cpu());
+  ASSERT_TRUE(backend.ok());
+  for (const ProblemSpec& s : specs) {
+    auto plan = MakeSmatPlan(s.T, s.d, s.chunk);
+    ASSERT_TRUE(plan.ok());
+    const SmatReferenceProblem pr = RandomProblem(*plan, s);
+    const SmatInputs in = MakeInputs(pr);
+    SmatForwardOutputs train, infer;
+    ASSERT_TRUE(SmatForward(**backend, *plan, in, &train).ok());
+    ASSERT_TRUE(SmatForward(**backend, *plan, in, &infer, nullptr, SmatKeep::kNothing).ok());
+    ASSERT_TRUE(train.saved.S_in.defined() && train.saved.U.defined());
+    const std::vector<double> o = ToDouble(infer.o);
+    ASSERT_GT(MaxAbs(o), 0.0) << s.Name();
+    EXPECT_EQ(o, ToDouble(train.o)) << s.Name();
+    EXPECT_FALSE(infer.saved.S_in.defined() || infer.saved.U.defined() ||
+                 infer.saved.den.defined() || infer.saved.lam.defined() ||
+                 infer.saved.chunk_decay.defined())
+        << s.Name();
+    const Tensor d_o =
+        ToF32(RandomVector(pr.batch * pr.T * pr.H * pr.dv, 9), {pr.batch, pr.T, pr.H, pr.dv});
+    SmatGradients grads;
+    const absl::Status st = SmatBackward(**backend, *plan, in, infer, d_o, &grads);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("SmatKeep::kNothing"), std::string::npos) << st;
+  }
+}
+
 TEST(SmatCpuTest, RejectsBadSpansShapesAndIds) {
   auto plan = MakeSmatPlan(100, 2, 16);
   ASSERT_TRUE(plan.ok());
