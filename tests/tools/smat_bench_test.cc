@@ -1,6 +1,7 @@
 // smat_bench run end to end on small sizes: it times the op and reports the
 // numbers it promises, and refuses bad usage with the documented exit codes.
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -36,6 +37,29 @@ TEST(SmatBenchToolTest, TimesForwardAndBackward) {
   EXPECT_NE(res.output.find("T=4099 d=2"), std::string::npos) << res.output;
   EXPECT_NE(res.output.find("median of 3"), std::string::npos) << res.output;
   EXPECT_NE(res.output.find("tokens/s"), std::string::npos) << res.output;
+}
+
+// On the GPU (tools_gpu_test): the phases, then the op itself, keeping what
+// backward needs and for inference, in the table and the SUMMARY line.
+// Without a usable device it skips, saying why (fails under
+// SMAT_REQUIRE_GPU=1).
+TEST(SmatBenchToolTest, TimesTheOpOnCuda) {
+  BenchRun res = RunBench(
+      "smat --device cuda --T 4096 --d 2 --heads 2 --r 64 --dv 64 --chunk 128 "
+      "--dtype bf16 --reps 3 --warmup 1");
+  if (res.rc != 0 && res.output.find("no usable CUDA") != std::string::npos) {
+    const char* req = std::getenv("SMAT_REQUIRE_GPU");
+    if (req != nullptr && std::string(req) == "1") FAIL() << res.output;
+    GTEST_SKIP() << "no CUDA device here, smat_bench --device cuda not checked: " << res.output;
+  }
+  ASSERT_EQ(res.rc, 0) << res.output;
+  EXPECT_NE(res.output.find("| ChunkStatesAndOutputs"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("SmatForward: "), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("for inference (SmatKeep::kNothing)"), std::string::npos) << res.output;
+  const size_t summary = res.output.find("SUMMARY d=2 bf16 ungated T=4096: forward ");
+  ASSERT_NE(summary, std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("forward+backward", summary), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("SmatForward ", summary), std::string::npos) << res.output;
 }
 
 TEST(SmatBenchToolTest, BadUsage) {
