@@ -80,7 +80,9 @@
 #include <type_traits>
 
 #include "kernels/cuda/smat_chunk_fwd_mma.cuh"
+#if defined(SMAT_HAVE_SM90A)
 #include "kernels/cuda/smat_chunk_walk_wgmma.h"
+#endif
 #include "kernels/cuda/smat_cuda_kernels.h"
 #include "kernels/cuda/smat_device.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
@@ -448,9 +450,11 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
     const cudaError_t err = cudaStreamWaitEvent(stream, reads_ready, 0);
     if (err != cudaSuccess) return err;
   }
+#if defined(SMAT_HAVE_SM90A)
   if (kFull && SmatWalkOnWgmma(/*keeps_states=*/S_in != nullptr)) {
     return LaunchChunkWalkWgmma(d, ws, phi, psi, v, starts, S_in, out, kP, stream);
   }
+#endif
   auto kernel = ChunkWalkKernel<kFull, kP>;
   const cudaError_t err = AllowSharedMemory(kernel, kSmemNormBytes);
   if (err != cudaSuccess) return err;
