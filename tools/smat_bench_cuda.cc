@@ -517,12 +517,7 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   // written).
   double op_train = 0, op_infer = 0;
   {
-    SmatInputs in;
-    in.phi = phi;
-    in.psi = psi;
-    in.v = v;
-    in.logg = logg;
-    in.eps = eps;
+    const SmatInputs in{.phi = phi, .psi = psi, .v = v, .logg = logg, .eps = eps};
     SmatForwardOutputs f;
     SMAT_ASSIGN_OR_RETURN(op_train,
                           TimeOne(
