@@ -517,7 +517,13 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
   // written).
   double op_train = 0, op_infer = 0;
   {
-    const SmatInputs in{.phi = phi, .psi = psi, .v = v, .logg = logg, .eps = eps};
+    const SmatInputs in{.phi = phi,
+                        .psi = psi,
+                        .v = v,
+                        .logg = logg,
+                        .prof = Tensor(),
+                        .type = Tensor(),
+                        .eps = eps};
     SmatForwardOutputs f;
     SMAT_ASSIGN_OR_RETURN(op_train,
                           TimeOne(
