@@ -45,20 +45,13 @@ __device__ __forceinline__ uint32_t Swz(int t, int c) {
 // Byte offset of element (t, n) (n < 64) in a swizzled tile.
 __device__ __forceinline__ uint32_t SwzElem(int t, int n) { return Swz(t, n >> 3) + 2 * (n & 7); }
 
-// The descriptor of a 128-byte swizzled operand starting at shared address
-// `addr`: 8-row groups 1024 bytes apart (the stride byte offset, K-major:
-// along M/N; MN-major: along K); the leading byte offset is not read for
-// these shapes (one 64-wide atom along M/N; K-major reads it as 1).
-__device__ __forceinline__ uint64_t Desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (static_cast<uint64_t>(kAtomBytes >> 4) << 32) | (uint64_t{1} << 62);
-}
-
-// Descriptors of operands at byte offsets from one shared address, the
-// base's part computed once per use site: DescBase(addr).At(offset). The
-// base goes through an opaque move, so that a loop recomputes its
-// descriptors (two integer adds each) rather than holding dozens of
-// loop-invariant 64-bit values in registers.
+// Descriptors of 128-byte swizzled operands at byte offsets from one shared
+// address: DescBase(addr).At(offset). 8-row groups lie 1024 bytes apart (the
+// stride byte offset; K-major: along M/N, MN-major: along K); the leading
+// byte offset is not read for these shapes (one 64-wide atom along M/N;
+// K-major reads it as 1). The base goes through an opaque move, so that a
+// loop recomputes its descriptors (two integer adds each) rather than
+// holding dozens of loop-invariant 64-bit values in registers.
 struct DescBase {
   uint32_t lo;
   __device__ __forceinline__ explicit DescBase(uint32_t addr) {
