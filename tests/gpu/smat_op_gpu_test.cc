@@ -286,7 +286,9 @@ TEST_F(SmatOpGpuTest, ForwardWithoutBackwardKeepsNoStates) {
     std::printf("forward peak %s: %lld bytes keeping the states, %lld without (states %lld)\n",
                 gated ? "gated" : "ungated", static_cast<long long>(peak_train),
                 static_cast<long long>(peak_infer), static_cast<long long>(states));
-    if (!gated && TensorCoreChunkTiles()) EXPECT_LE(peak_infer, peak_train - states);
+    if (!gated && TensorCoreChunkTiles()) {
+      EXPECT_LE(peak_infer, peak_train - states);
+    }
     EXPECT_LE(peak_infer, peak_train);
     SmatGradients grads;
     SMAT_ASSERT_OK_AND_ASSIGN(
