@@ -277,7 +277,9 @@ void CheckSpansEqualWhole(const ProblemSpec& s, const std::vector<int64_t>& cuts
       for (const auto& [name, x, y] :
            {std::tuple{"gbar", &g2, &gbar[i]}, std::tuple{"dlam_row", &row2, &row[i]},
             std::tuple{"S_in_bar", &S2, &Sbar[i]}}) {
-        if (std::strcmp(name, "dlam_row") != 0) ASSERT_GT(MaxAbs(ToDouble(*y)), 0.0) << name;
+        if (std::strcmp(name, "dlam_row") != 0) {
+          ASSERT_GT(MaxAbs(ToDouble(*y)), 0.0) << name;
+        }
         for (int64_t e = 0; e < x->numel(); ++e) {
           ASSERT_EQ(x->data<float>()[e], y->data<float>()[e]) << name << " element " << e;
         }
