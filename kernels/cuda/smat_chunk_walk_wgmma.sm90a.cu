@@ -22,7 +22,8 @@
 //      loads.
 // Each warpgroup's products run as one asynchronous group that a warpgroup
 // waits for before it reads their results; the score tiles of the diagonal
-// blocks are computed whole and masked (a quarter of wg 0's products).
+// blocks are computed whole and masked (6 of their 16 tiles of 16 x 16 lie
+// above the diagonal: 15% of a chunk's products).
 //
 // Speed (H200, bf16, batch 1, 8 heads, T = 524288, c = 128, 2026-12-02, one
 // binary, SMAT_CUDA_CHUNK_TILES choosing the walk; the phase
