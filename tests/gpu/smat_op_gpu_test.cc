@@ -159,6 +159,20 @@ TEST_F(SmatOpGpuTest, WholeOpMatchesCpuAndReferenceAndRepeatsBitwise) {
   }
 }
 
+// d = 2 at the benchmark's widths (r = dv = 64, chunk 128) on two heads.
+ProblemSpec BenchmarkWidths(int64_t T, bool gated, uint64_t seed) {
+  return ProblemSpec{.batch = 1,
+                     .T = T,
+                     .H = 2,
+                     .r = 64,
+                     .dv = 64,
+                     .d = 2,
+                     .chunk = 128,
+                     .gated = gated,
+                     .eps = 1e-3,
+                     .seed = seed};
+}
+
 // The forward's long-range phases run on the backend's side stream
 // (SmatKernels::ForkSide) while the causal states start on the caller's, and
 // the outputs wait for the reads. Two forwards on different inputs go back to
@@ -171,16 +185,7 @@ TEST_F(SmatOpGpuTest, SideStreamForwardsBackToBack) {
   SMAT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Stream> stream, gpu_->CreateStream());
   for (bool gated : {false, true}) {
     SCOPED_TRACE(gated ? "gated" : "ungated");
-    ProblemSpec sp{.batch = 1,
-                   .T = 8192,
-                   .H = 2,
-                   .r = 64,
-                   .dv = 64,
-                   .d = 2,
-                   .chunk = 128,
-                   .gated = gated,
-                   .eps = 1e-3,
-                   .seed = 41};
+    ProblemSpec sp = BenchmarkWidths(8192, gated, /*seed=*/41);
     SMAT_ASSERT_OK_AND_ASSIGN(SmatPlan plan, MakeSmatPlan(sp.T, sp.d, sp.chunk));
     ASSERT_TRUE(SmatHasLongRange(plan));
     const SmatReferenceProblem first = RandomProblem(plan, sp);
@@ -223,16 +228,7 @@ TEST_F(SmatOpGpuTest, SideStreamForwardsBackToBack) {
 TEST_F(SmatOpGpuTest, ForwardWithoutBackwardKeepsNoStates) {
   for (bool gated : {false, true}) {
     SCOPED_TRACE(gated ? "gated" : "ungated");
-    const ProblemSpec sp{.batch = 1,
-                         .T = 8192 + 77,
-                         .H = 2,
-                         .r = 64,
-                         .dv = 64,
-                         .d = 2,
-                         .chunk = 128,
-                         .gated = gated,
-                         .eps = 1e-3,
-                         .seed = 43};
+    const ProblemSpec sp = BenchmarkWidths(8192 + 77, gated, /*seed=*/43);
     SMAT_ASSERT_OK_AND_ASSIGN(SmatPlan plan, MakeSmatPlan(sp.T, sp.d, sp.chunk));
     const SmatReferenceProblem pr = RandomProblem(plan, sp);
     SMAT_ASSERT_OK_AND_ASSIGN(SmatInputs in, LoadInputs(*gpu_, pr, /*bf16=*/true));
