@@ -69,14 +69,27 @@
 //
 // Where it writes no S_in (the forward for inference) the walk at r = dv =
 // 64 runs on warpgroup MMAs on an H200 (smat_chunk_walk_wgmma.sm90a.cu,
-// SmatWalkOnWgmma): faster there, slower than ChunkWalkKernel where S_in is
+// SmatWalkChoice): faster there, slower than ChunkWalkKernel where S_in is
 // written.
+//
+// With reads, ChunkWalkKernel walks the distant and the recent part as two
+// launches, each a wave of segments of its own (WalkSplits): in one launch
+// the distant segments, which add no reads, finish first and leave their
+// slots idle. H200, bf16, T = 524288, d = 2, 2026-12-02: ChunkStatesAndOutputs
+// 1.694 -> 1.644-1.647 ms, SmatForward keeping the states 2.258-2.272 ->
+// 2.213-2.223 ms (d = 3: 5.003 -> 4.939). The walks on warpgroup MMAs stay in
+// one launch: the forward for inference took 2.020-2.054 ms so and
+// 2.046-2.077 split. (The nineteenth pass had split only the distant part
+// off, half a wave at one block per SM beside the side stream's reads: 2.23
+// -> 2.37-2.56 ms, see below.)
 //
 // The block shape and the shared pieces: smat_chunk_fwd_mma.cuh.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/smat_chunk_fwd_mma.cuh"
@@ -342,19 +355,20 @@ __global__ void __launch_bounds__(kThreads, 2)
     ChunkWalkKernel(SmatCudaDims d, bool vec_in, WalkSegments ws,
                     const __nv_bfloat16* __restrict__ phi, const __nv_bfloat16* __restrict__ psi,
                     const __nv_bfloat16* __restrict__ v, const float* __restrict__ starts,
-                    float* __restrict__ S_in, Outputs out) {
+                    float* __restrict__ S_in, Outputs out, int seg0) {
   extern __shared__ float4 smem4[];
   __nv_bfloat16* base = reinterpret_cast<__nv_bfloat16*>(smem4);
   const int tid = threadIdx.x;
   const TileWidths<kFull> wd{d.r, d.dv};
   const int r = wd.r(), dv = wd.dv(), p = wd.p();
   if (kFull) vec_in = true;
-  const int bh = blockIdx.x, s = blockIdx.y;
+  const int bh = blockIdx.x, s = seg0 + static_cast<int>(blockIdx.y);
   const int b = bh / d.H, h = bh - b * d.H;
   int k0, k1;
   cuda_detail::RunChunks(ws, d.Lc, s, &k0, &k1);
   const int64_t W = static_cast<int64_t>(r) * p;
-  StageState<3>(starts + (static_cast<int64_t>(bh) * gridDim.y + s) * W, r, p, base + kOffS);
+  StageState<3>(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * W, r, p,
+                base + kOffS);
   Block<kFull> bk = MakeBlock<kFull>(base, r, dv);
   const int w = tid >> 5;
   // Query block of warp w: warps w and w + 4 share a scheduler and take
@@ -406,27 +420,55 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // The segments of a walk over `d`'s span: at most one per block slot of a
-// single wave (two resident per SM), all of the shortest length that fits
+// single wave (per_sm resident per SM), all of the shortest length that fits
 // both parts in those slots, at least kMinWalk chunks (the walk takes as long
 // as its longest segment: 4096 chunks in 33 slots per head walk 125 each,
 // not 128).
-WalkSegments PlanWalk(const SmatCudaDims& d, int sms) {
+WalkSegments PlanWalk(const SmatCudaDims& d, int sms, bool split, int per_sm) {
   const int Nd = cuda_detail::DistantChunks(d), Nr = d.Lc - Nd;
   const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
   const int parts = (Nd > 0) + (Nr > 0);
   const int slots =
-      static_cast<int>(std::max<int64_t>(parts, 2 * int64_t{sms} / std::max<int64_t>(1, bh)));
+      static_cast<int>(std::max<int64_t>(parts, int64_t{per_sm} * sms / std::max<int64_t>(1, bh)));
   auto count = [](int chunks, int len) { return (chunks + len - 1) / len; };
+  if (split && parts == 2) {  // a wave for each part
+    const int len = std::max(kMinWalk, count(std::max(Nd, Nr), slots));
+    return cuda_detail::ChunkRunsOfLength(Nd, d.Lc, len);
+  }
   int len = std::max(kMinWalk, count(d.Lc, slots));
   while (count(Nd, len) + count(Nr, len) > slots) ++len;
   return cuda_detail::ChunkRunsOfLength(Nd, d.Lc, len);
 }
 
+// Whether the walk of a span with reads runs its two parts as two launches,
+// each cut into a wave of its own (SmatChunkWalkScratchFloats): by default
+// for ChunkWalkKernel (kind 0), whose distant segments otherwise finish
+// early and leave their slots idle while the recent ones, which also add the
+// reads, walk on; SMAT_CUDA_WALK_SPLIT = "1" or "0" for every walk.
+bool WalkSplits(bool has_reads, int kind) {
+  if (!has_reads) return false;
+  const char* env = std::getenv("SMAT_CUDA_WALK_SPLIT");
+  const std::string split = env != nullptr ? env : "";
+  if (split == "1" || split == "0") return split == "1";
+  return kind == 0;
+}
+
+// The kernel that walks: 0 ChunkWalkKernel, else the SmatWalk of
+// smat_chunk_walk_wgmma.h (where built); and its blocks per SM.
+int WalkKind(bool full, bool keeps_states) {
+#if defined(SMAT_HAVE_SM90A)
+  if (full) return static_cast<int>(SmatWalkChoice(keeps_states));
+#endif
+  return 0;
+}
+constexpr int kWalkRows64 = 2;  // SmatWalk::kWgmma64
+int WalkBlocksPerSm(int kind) { return kind == kWalkRows64 ? 4 : 2; }
+
 template <bool kFull, int kP>
-cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, const void* phi,
-                       const void* psi, const void* v, const float* incoming, float* totals,
-                       float* starts, float* S_in, const Outputs& out, cudaEvent_t reads_ready,
-                       cudaStream_t stream) {
+cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, int kind,
+                       bool split, const void* phi, const void* psi, const void* v,
+                       const float* incoming, float* totals, float* starts, float* S_in,
+                       const Outputs& out, cudaEvent_t reads_ready, cudaStream_t stream) {
   const int segs = ws.seg_d + ws.seg_r;
   const unsigned bh = static_cast<unsigned>(d.batch * d.H);
   auto bf = [](const void* x) { return static_cast<const __nv_bfloat16*>(x); };
@@ -446,28 +488,46 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
+  // Segments [s0, s1) of the walk in one launch.
+  auto walk = [&](int s0, int s1) -> cudaError_t {
+#if defined(SMAT_HAVE_SM90A)
+    if (kFull && kind != 0) {
+      return LaunchChunkWalkWgmma(d, ws, s0, s1, kind == kWalkRows64, phi, psi, v, starts, S_in,
+                                  out, kP, stream);
+    }
+#endif
+    auto kernel = ChunkWalkKernel<kFull, kP>;
+    const cudaError_t err = AllowSharedMemory(kernel, kSmemNormBytes);
+    if (err != cudaSuccess) return err;
+    kernel<<<dim3(bh, static_cast<unsigned>(s1 - s0)), kThreads, kSmemNormBytes, stream>>>(
+        d, vec, ws, bf(phi), bf(psi), bf(v), starts, S_in, out, s0);
+    return cudaGetLastError();
+  };
+  // Split, the distant part (which reads no reads) runs beside the side
+  // stream's reads; the recent part waits for them.
+  const int s_wait = split ? ws.seg_d : 0;
+  if (s_wait > 0) {
+    const cudaError_t err = walk(0, s_wait);
+    if (err != cudaSuccess) return err;
+  }
   if (reads_ready != nullptr) {
     const cudaError_t err = cudaStreamWaitEvent(stream, reads_ready, 0);
     if (err != cudaSuccess) return err;
   }
-#if defined(SMAT_HAVE_SM90A)
-  if (kFull && SmatWalkOnWgmma(/*keeps_states=*/S_in != nullptr)) {
-    return LaunchChunkWalkWgmma(d, ws, phi, psi, v, starts, S_in, out, kP, stream);
-  }
-#endif
-  auto kernel = ChunkWalkKernel<kFull, kP>;
-  const cudaError_t err = AllowSharedMemory(kernel, kSmemNormBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<dim3(bh, static_cast<unsigned>(segs)), kThreads, kSmemNormBytes, stream>>>(
-      d, vec, ws, bf(phi), bf(psi), bf(v), starts, S_in, out);
-  return cudaGetLastError();
+  return walk(s_wait, segs);
 }
 
 }  // namespace
 
-int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& d) {
-  const WalkSegments ws = PlanWalk(d, DeviceSms());
-  return static_cast<int64_t>(d.batch) * d.H * (ws.seg_d + ws.seg_r) * (kSub + 1) * d.r * d.p;
+int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& d, bool has_reads) {
+  int segs = 0;  // the most any walk's plan takes
+  for (int per_sm : {2, 4}) {
+    for (bool split : {false, has_reads}) {
+      const WalkSegments ws = PlanWalk(d, DeviceSms(), split, per_sm);
+      segs = std::max(segs, ws.seg_d + ws.seg_r);
+    }
+  }
+  return static_cast<int64_t>(d.batch) * d.H * segs * (kSub + 1) * d.r * d.p;
 }
 
 cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const void* psi,
@@ -477,19 +537,22 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const vo
   if (d.Lc == 0 || d.batch * d.H == 0) {
     return reads_ready != nullptr ? cudaStreamWaitEvent(stream, reads_ready, 0) : cudaSuccess;
   }
-  const WalkSegments ws = PlanWalk(d, DeviceSms());
+  const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
+                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
+  const bool full = vec && d.r == kW && d.dv == kW;
+  const int kind = WalkKind(full, /*keeps_states=*/S_in != nullptr);
+  const bool split = WalkSplits(reads != nullptr, kind);
+  const WalkSegments ws = PlanWalk(d, DeviceSms(), split, WalkBlocksPerSm(kind));
   const int64_t starts_floats =
       static_cast<int64_t>(d.batch) * d.H * (ws.seg_d + ws.seg_r) * d.r * d.p;
   float* starts = scratch;
   float* totals = scratch + starts_floats;
   const Outputs out{nullptr, reads, recent_begin, eps, static_cast<__nv_bfloat16*>(o), den};
-  const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
-                   fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
-  const bool full = vec && d.r == kW && d.dv == kW;
   auto launch = [&](auto full_c) {
     return mma_tiles::WithSplitParts(SmatBf16SplitParts(), [&](auto parts) {
       return LaunchWalk<decltype(full_c)::value, decltype(parts)::value>(
-          d, vec, ws, phi, psi, v, incoming, totals, starts, S_in, out, reads_ready, stream);
+          d, vec, ws, kind, split, phi, psi, v, incoming, totals, starts, S_in, out, reads_ready,
+          stream);
     });
   };
   return full ? launch(std::true_type()) : launch(std::false_type());

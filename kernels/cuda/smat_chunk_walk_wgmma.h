@@ -10,19 +10,25 @@
 
 namespace smat {
 
-// Whether the walk runs on warpgroup MMAs, on a device of compute
-// capability 9.0 (which runs the sm_90a kernels): by default where it keeps
-// no states (S_in null: the forward for inference), where it is the faster;
-// ChunkWalkKernel (mma.sync) where it writes S_in (see the kernel's notes).
-// SMAT_CUDA_CHUNK_TILES (read on every launch) = "wgmma" or "mma" takes one
-// of the two for both.
-bool SmatWalkOnWgmma(bool keeps_states);
+// Which kernel walks the chunks at r = dv = 64: ChunkWalkKernel (mma.sync,
+// smat_chunk_walk.cu), or on warpgroup MMAs on a device of compute
+// capability 9.0 (which runs the sm_90a kernels): two warpgroups per block
+// and a whole chunk per step (kWgmma), or one warpgroup per block and 64 rows
+// per step, four blocks per SM (kWgmma64). By default kMma where the walk
+// writes S_in and kWgmma64 where it keeps no states (the forward for
+// inference): the faster there (see the kernels' notes).
+// SMAT_CUDA_CHUNK_TILES (read on every launch) = "mma", "wgmma" or "wgmma64"
+// takes one of them for both (where the device has warpgroup MMAs).
+enum class SmatWalk { kMma, kWgmma, kWgmma64 };
+SmatWalk SmatWalkChoice(bool keeps_states);
 
-// The walk of d's segments `ws` (grid batch * H x segments) from `starts`
-// (as WalkStartsKernel writes them), r = dv = 64, bf16 rows 16-byte aligned;
-// `parts` as SmatBf16SplitParts.
-cudaError_t LaunchChunkWalkWgmma(const SmatCudaDims& d, const SmatChunkRuns& ws, const void* phi,
-                                 const void* psi, const void* v, const float* starts, float* S_in,
+// The walk of segments [s0, s1) of d's `ws` (grid batch * H x (s1 - s0))
+// from `starts` (as WalkStartsKernel writes them), r = dv = 64, bf16 rows
+// 16-byte aligned; rows64: the kWgmma64 kernel; `parts` as
+// SmatBf16SplitParts.
+cudaError_t LaunchChunkWalkWgmma(const SmatCudaDims& d, const SmatChunkRuns& ws, int s0, int s1,
+                                 bool rows64, const void* phi, const void* psi, const void* v,
+                                 const float* starts, float* S_in,
                                  const chunk_fwd_mma::Outputs& out, int parts, cudaStream_t stream);
 
 }  // namespace smat

@@ -294,7 +294,8 @@ class CudaSmatKernels final : public SmatKernels {
       return false;
     }
     CudaScratch scratch(s);
-    SMAT_ASSIGN_OR_RETURN(float* work, scratch.Get<float>(SmatChunkWalkScratchFloats(d)));
+    SMAT_ASSIGN_OR_RETURN(float* work,
+                          scratch.Get<float>(SmatChunkWalkScratchFloats(d, reads.defined())));
     const int64_t recent_begin = span.recent_begin(plan) - span.t0;
     // The side stream's reads are waited for after the totals and the starts.
     std::lock_guard<std::mutex> lock(side_mu_);

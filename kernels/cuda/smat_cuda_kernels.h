@@ -308,10 +308,15 @@ bool SmatNormalizedOutputsFusedFits(const SmatCudaDims& dims);
 // `incoming` ([batch, 2, H, r, p] or null: zero) and the summaries of the
 // span's tokens, written to S_in (if not null) as ChunkScan writes them, and
 // o and den as LaunchSmatNormalizedOutputsFused writes them from those states.
-// scratch: SmatChunkWalkScratchFloats(dims) floats (the segments' totals and
-// entering states). reads_ready (or null): an event the walk waits for after
-// the totals and the starts, before anything reads `reads`.
-int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& dims);
+// scratch: SmatChunkWalkScratchFloats(dims, reads != null) floats (the
+// segments' totals and entering states). reads_ready (or null): an event the
+// walk waits for after the totals and the starts, before anything reads
+// `reads`. With reads and chunks on both sides of n, the walk on mma.sync
+// (where it writes S_in) runs the distant part (which reads none) before
+// that wait and the recent part after it, each part cut into a wave of
+// segments of its own; the walks on warpgroup MMAs run both in one launch
+// after the wait. SMAT_CUDA_WALK_SPLIT = "1" or "0" takes one way for all.
+int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& dims, bool has_reads);
 cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& dims, const void* phi, const void* psi,
                                 const void* v, const float* incoming, const float* reads,
                                 int64_t recent_begin, float eps, float* S_in, void* o, float* den,

@@ -77,12 +77,13 @@ inline bool Bf16TwoParts() {
 }
 inline constexpr double kBf16TwoPartsTol = 1.0 / 16384;
 // Whether SMAT_CUDA_CHUNK_TILES leaves the chunk tiles of bf16 inputs on
-// tensor cores (unset, "mma", "wgmma"), where ungated bf16 inputs at r, dv
-// <= 64 and c <= 128 are walked (ChunkStatesAndOutputs); "ffma" and
+// tensor cores (unset, "mma", "wgmma", "wgmma64"), where ungated bf16 inputs
+// at r, dv <= 64 and c <= 128 are walked (ChunkStatesAndOutputs); "ffma" and
 // "general" run the three phases instead.
 inline bool TensorCoreChunkTiles() {
   const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
-  return env == nullptr || *env == '\0' || std::string(env) == "mma" || std::string(env) == "wgmma";
+  const std::string tiles = env != nullptr ? env : "";
+  return tiles.empty() || tiles == "mma" || tiles == "wgmma" || tiles == "wgmma64";
 }
 // The tolerance of a phase that runs the fused bf16 tiles (the forward tile,
 // NormalizedOutputs, the walk, B7) or, with one part, the per-type reads of
