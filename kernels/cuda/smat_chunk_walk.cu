@@ -491,9 +491,11 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
   // Segments [s0, s1) of the walk in one launch.
   auto walk = [&](int s0, int s1) -> cudaError_t {
 #if defined(SMAT_HAVE_SM90A)
+    if (kFull && kind == kWalkRows64) {
+      return LaunchChunkWalkWgmma64(d, ws, s0, s1, phi, psi, v, starts, S_in, out, kP, stream);
+    }
     if (kFull && kind != 0) {
-      return LaunchChunkWalkWgmma(d, ws, s0, s1, kind == kWalkRows64, phi, psi, v, starts, S_in,
-                                  out, kP, stream);
+      return LaunchChunkWalkWgmma(d, ws, s0, s1, phi, psi, v, starts, S_in, out, kP, stream);
     }
 #endif
     auto kernel = ChunkWalkKernel<kFull, kP>;

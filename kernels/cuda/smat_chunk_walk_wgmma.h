@@ -24,11 +24,17 @@ SmatWalk SmatWalkChoice(bool keeps_states);
 
 // The walk of segments [s0, s1) of d's `ws` (grid batch * H x (s1 - s0))
 // from `starts` (as WalkStartsKernel writes them), r = dv = 64, bf16 rows
-// 16-byte aligned; rows64: the kWgmma64 kernel; `parts` as
-// SmatBf16SplitParts.
+// 16-byte aligned, `parts` as SmatBf16SplitParts: on two warpgroups per block
+// (kWgmma, smat_chunk_walk_wgmma.sm90a.cu) or one (kWgmma64,
+// smat_chunk_walk_wgmma64.sm90a.cu).
 cudaError_t LaunchChunkWalkWgmma(const SmatCudaDims& d, const SmatChunkRuns& ws, int s0, int s1,
-                                 bool rows64, const void* phi, const void* psi, const void* v,
+                                 const void* phi, const void* psi, const void* v,
                                  const float* starts, float* S_in,
                                  const chunk_fwd_mma::Outputs& out, int parts, cudaStream_t stream);
+cudaError_t LaunchChunkWalkWgmma64(const SmatCudaDims& d, const SmatChunkRuns& ws, int s0, int s1,
+                                   const void* phi, const void* psi, const void* v,
+                                   const float* starts, float* S_in,
+                                   const chunk_fwd_mma::Outputs& out, int parts,
+                                   cudaStream_t stream);
 
 }  // namespace smat

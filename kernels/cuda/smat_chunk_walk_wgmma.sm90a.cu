@@ -2,7 +2,9 @@
 // warpgroup MMAs: built for sm_90a alone (kernels/cuda/CMakeLists.txt) and
 // launched on devices of compute capability 9.0 where SmatWalkChoice says
 // so: by default where the walk writes no S_in (the forward for inference),
-// there one warpgroup per block (ChunkWalkWgmma64Kernel, below).
+// there one warpgroup per block (ChunkWalkWgmma64Kernel,
+// smat_chunk_walk_wgmma64.sm90a.cu; the shared pieces:
+// smat_chunk_walk_wgmma.cuh).
 //
 // ChunkWalkWgmmaKernel: one block walks a segment's chunks of one (b, h)
 // from the state entering it, as ChunkWalkKernel does, with the same three
@@ -47,6 +49,7 @@
 #include <string>
 
 #include "kernels/cuda/smat_chunk_fwd_mma.cuh"
+#include "kernels/cuda/smat_chunk_walk_wgmma.cuh"
 #include "kernels/cuda/smat_chunk_walk_wgmma.h"
 #include "kernels/cuda/smat_cuda_kernels.h"
 #include "kernels/cuda/smat_device.cuh"
@@ -61,15 +64,11 @@ using cuda_detail::ChunkRow;
 using cuda_detail::TokenRow;
 using mma_tiles::CpAsync16;
 using mma_tiles::SmemAddr;
-using wgmma::Swz;
-using wgmma::SwzElem;
+using namespace walk_wgmma;  // NOLINT: the walks' shared pieces
 
 constexpr int kThreads = 256;
 constexpr int kC = 128;  // chunk tokens held
-constexpr int kW = 64;   // r = dv
-constexpr int kP1 = kW + 1;
-constexpr int kTileBytes = kC * wgmma::kRowBytes;   // a token tile, [kC][kW] swizzled
-constexpr int kPlaneBytes = kW * wgmma::kRowBytes;  // a plane of the state
+constexpr int kTileBytes = kC * wgmma::kRowBytes;  // a token tile, [kC][kW] swizzled
 constexpr int kOffPhi = 0, kOffPsi = kTileBytes, kOffV = 2 * kTileBytes;
 constexpr int kOffPlanes = 3 * kTileBytes;
 constexpr int kOffZ = kOffPlanes + 3 * kPlaneBytes;  // fp32 S[:, dv]
@@ -78,11 +77,6 @@ constexpr int kOutLd = 72;                           // bf16 pitch of the staged
 constexpr int kOffOut = kOffZPart + 4 * kW * 4;
 constexpr int kSmemBytes = kOffOut + kC * kOutLd * 2 + 1024;  // + room to align the base
 static_assert(kOffPlanes % 1024 == 0 && kPlaneBytes % 1024 == 0, "atoms on 1024-byte lines");
-
-// The bf16 pair in a 32-bit word as floats (exact: a bf16 is the high half
-// of its float).
-__device__ __forceinline__ float LowBf16(uint32_t x) { return __uint_as_float(x << 16); }
-__device__ __forceinline__ float HighBf16(uint32_t x) { return __uint_as_float(x & 0xFFFF0000u); }
 
 // Chunk rows [0, ce) of one bf16 feature (rows `stride` elements apart from
 // `src`) into the swizzled tile at shared address `tile` (`ptr` in the generic
@@ -257,7 +251,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     float acc[8][4];
     float yd[2] = {0.f, 0.f};  // column dv of rows g, g + 8 of the warp
     if (active) {
-      // The state term (acc's old values unread).
+      // The state term (acc's old values unread). Written out here rather
+      // than through StateTermProducts and CausalProducts, with which the
+      // compiler lays out this kernel's kP = 3 code (it spills) differently.
       wgmma::Fence();
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -371,22 +367,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       // S += psi^T vbar: rows 16 wi + g (+ 8) of the state, read exactly from
       // the planes, the products added, split back.
       float su[8][4];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const __nv_bfloat16* at = planes + SwzElem(16 * wi + g + 8 * hr, 8 * j + 2 * tq) / 2;
-          float x0 = 0.f, x1 = 0.f;
-#pragma unroll
-          for (int q = 0; q < 3; ++q) {
-            const __nv_bfloat162 y =
-                *reinterpret_cast<const __nv_bfloat162*>(at + q * (kPlaneBytes / 2));
-            x0 += __low2float(y);
-            x1 += __high2float(y);
-          }
-          su[j][2 * hr] = x0;
-          su[j][2 * hr + 1] = x1;
-        }
+      ReadStateRows(planes, wi, g, tq, su);
       wgmma::Fence();
 #pragma unroll
       for (int kk = 0; kk < kC / 16; ++kk) {  // rows past ce are zeros
@@ -397,13 +378,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       AddPsiColumnSums(sm + kOffPsi, sm);
       wgmma::Wait<0>();
       wgmma::FenceOperands(su);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          mma_tiles::StoreSplitPair<3>(planes + SwzElem(16 * wi + g + 8 * hr, 8 * j + 2 * tq) / 2,
-                                       kPlaneBytes / 2, su[j][2 * hr], su[j][2 * hr + 1]);
-        }
+      WriteStateRows(planes, wi, g, tq, su);
     }
     wgmma::FenceProxyAsync();  // the planes' stores, before the next chunk's products
     __syncthreads();           // the tiles and the planes are free again, the o rows staged
@@ -411,364 +386,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (k1 > k0) StoreRows(d, b, h, int64_t{k1 - 1} * d.chunk, ce, ostage, out.o, vec_out);
 }
 
-// ---- one warpgroup per block, 64 rows at a time -------------------------------
-//
-// ChunkWalkWgmma64Kernel walks the same segments with one warpgroup per block
-// (128 threads, 50 KB of shared memory: four blocks per SM, twice the
-// independent walks of ChunkWalkWgmmaKernel) and takes a chunk in pieces of
-// up to 64 rows: the state entering a piece is the chunk's entering state
-// plus the products of the chunk's earlier pieces, so each piece needs the
-// causal sums of its own diagonal block only (64 x 64: the chunk's other key
-// block is in the state), 16 of the 20 products per 64 rows that the
-// two-warpgroup walk runs. Per piece: the state term and the scores as two
-// asynchronous groups at once, the split scores times vbar, the rows
-// finished and staged in phi's tile (free once its products are done), the
-// update S += psi^T vbar and the column sums of psi, the o rows written
-// while the update's products run. S_in[k] is the state entering chunk k's
-// first piece.
-//
-// Speed (H200, bf16, batch 1, 8 heads, T = 524288, c = 128, 2026-12-02, two
-// hosts, SmatForward for inference): d = 1 1.358-1.370 ms against 1.382-1.417
-// for ChunkWalkWgmmaKernel, d = 2 2.020-2.054 against 2.108-2.173; writing
-// S_in (ChunkStatesAndOutputs) d = 1 1.533 against 1.500-1.522 ms for
-// ChunkWalkKernel, d = 2 1.658 against 1.686-1.695. So SmatWalkChoice takes
-// it where the walk keeps no states.
-constexpr int kThreads64 = 128;
-constexpr int kRows64 = 64;
-constexpr int kTile64 = kRows64 * wgmma::kRowBytes;  // a piece's token tile, [64][kW] swizzled
-constexpr int k64OffPhi = 0, k64OffPsi = kTile64, k64OffV = 2 * kTile64;
-constexpr int k64OffPlanes = 3 * kTile64;
-constexpr int k64OffZ = k64OffPlanes + 3 * kPlaneBytes;
-constexpr int k64OffZPart = k64OffZ + kW * 4;
-constexpr int k64SmemBytes = k64OffZPart + 4 * kW * 4 + 1024;  // + room to align the base
-static_assert(k64OffPlanes % 1024 == 0, "atoms on 1024-byte lines");
-static_assert(4 * (k64SmemBytes + 1024) <= 228 * 1024, "four blocks per SM");
-
-// Rows [0, ce) of a 64-row piece into the swizzled tile (as StageRows).
-__device__ __forceinline__ void StageRows64(const __nv_bfloat16* __restrict__ src, int64_t stride,
-                                            int ce, uint32_t tile, char* ptr) {
-  const int q = threadIdx.x & 7, t0 = threadIdx.x >> 3;
-#pragma unroll
-  for (int u = 0; u < kRows64 / 16; ++u) {
-    const int t = t0 + 16 * u;
-    const uint32_t off = Swz(t, q);
-    if (t < ce) {
-      CpAsync16(tile + off, src + t * stride + 8 * q);
-    } else {
-      *reinterpret_cast<uint4*>(ptr + off) = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-}
-
-// The state S (kW x kP1 fp32) into the planes and z, 128 threads.
-__device__ __forceinline__ void StageState64(const float* __restrict__ S, char* sm) {
-  __nv_bfloat16* planes = reinterpret_cast<__nv_bfloat16*>(sm + k64OffPlanes);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = (threadIdx.x >> 2) + 32 * half, pr = threadIdx.x & 3;
-    const float* Srow = S + row * kP1;
-    float x[8][2];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) x[j][c] = __ldg(&Srow[2 * (pr + 4 * j) + c]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      mma_tiles::StoreSplitPair<3>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
-                                   x[j][0], x[j][1]);
-    }
-    if (pr == 0) reinterpret_cast<float*>(sm + k64OffZ)[row] = __ldg(&Srow[kW]);
-  }
-}
-
-// S_in[k] from the planes and z, 128 threads.
-__device__ __forceinline__ void WriteState64(const char* sm, float* __restrict__ out) {
-  const __nv_bfloat16* planes = reinterpret_cast<const __nv_bfloat16*>(sm + k64OffPlanes);
-  const float* z = reinterpret_cast<const float*>(sm + k64OffZ);
-  for (int e = threadIdx.x; e < kW * kP1; e += kThreads64) {
-    const int row = e / kP1, col = e - row * kP1;
-    float x;
-    if (col < kW) {
-      const __nv_bfloat16* at = planes + SwzElem(row, col) / 2;
-      x = (__bfloat162float(at[0]) + __bfloat162float(at[kPlaneBytes / 2])) +
-          __bfloat162float(at[kPlaneBytes]);
-    } else {
-      x = z[row];
-    }
-    out[e] = x;
-  }
-}
-
-// S[:, dv] += the column sums of the piece's psi rows (piece c of r, tokens
-// 4 tg .. 4 tg + 3 a thread), in a fixed order. Ends past the block's barrier.
-__device__ __forceinline__ void AddPsiColumnSums64(char* sm) {
-  const int tid = threadIdx.x, c = tid & 7, tg = tid >> 3;
-  const char* psi_tile = sm + k64OffPsi;
-  float x[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) x[e] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 u = *reinterpret_cast<const uint4*>(psi_tile + Swz(4 * tg + i, c));
-    const uint32_t y[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      x[2 * e] += LowBf16(y[e]);
-      x[2 * e + 1] += HighBf16(y[e]);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 8);
-    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 16);
-  }
-  float* part = reinterpret_cast<float*>(sm + k64OffZPart);
-  const int w = tid >> 5, lane = tid & 31;
-  if (lane < 8) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) part[w * kW + 8 * c + e] = x[e];
-  }
-  __syncthreads();
-  if (tid < kW) {
-    float* z = reinterpret_cast<float*>(sm + k64OffZ);
-    z[tid] += (part[tid] + part[kW + tid]) + (part[2 * kW + tid] + part[3 * kW + tid]);
-  }
-}
-
-// grid (batch * H, s1 - s0), kThreads64 threads, k64SmemBytes of shared
-// memory (four blocks per SM).
-template <int kP>
-__global__ void __launch_bounds__(kThreads64, 4)
-    ChunkWalkWgmma64Kernel(SmatCudaDims d, SmatChunkRuns ws, const __nv_bfloat16* __restrict__ phi,
-                           const __nv_bfloat16* __restrict__ psi,
-                           const __nv_bfloat16* __restrict__ v, const float* __restrict__ starts,
-                           float* __restrict__ S_in, Outputs out, int seg0) {
-  extern __shared__ float4 smem4[];
-  char* sm = reinterpret_cast<char*>(smem4);
-  uint32_t sa = SmemAddr(sm);
-  {
-    const uint32_t pad = ((sa + 1023u) & ~1023u) - sa;
-    sm += pad;
-    sa += pad;
-  }
-  const int tid = threadIdx.x, wi = tid >> 5;
-  const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int bh = blockIdx.x, s = seg0 + static_cast<int>(blockIdx.y);
-  const int b = bh / d.H, h = bh - b * d.H;
-  int k0, k1;
-  cuda_detail::RunChunks(ws, d.Lc, s, &k0, &k1);
-  constexpr int64_t kState = int64_t{kW} * kP1;
-  StageState64(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState, sm);
-  __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(sm + k64OffPlanes);
-  const float* const z = reinterpret_cast<const float*>(sm + k64OffZ);
-  // The o rows wait in phi's tile once its products are done.
-  __nv_bfloat16* const ostage = reinterpret_cast<__nv_bfloat16*>(sm + k64OffPhi);
-  const int64_t stride = static_cast<int64_t>(d.H) * kW;
-  const bool vec_out = (reinterpret_cast<uintptr_t>(out.o) & 15) == 0;
-  __syncthreads();  // the planes and z staged
-  for (int k = k0; k < k1; ++k) {
-    const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
-    const int cl = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));
-    const bool read = out.reads != nullptr && c0 >= out.recent_begin;  // chunks never cross n
-    for (int u0 = 0; u0 < cl; u0 += kRows64) {
-      const int ce = min(kRows64, cl - u0);
-      const int64_t tok0 = TokenRow(d, b, c0 + u0, h);
-      if (read) {
-        for (int e = tid; e < 3 * ce; e += kThreads64) {
-          const int m = e / 3, piece = e - 3 * m;
-          const char* row =
-              reinterpret_cast<const char*>(out.reads + (tok0 + int64_t{m} * d.H) * kP1);
-          asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(row + 128 * piece));
-        }
-      }
-      StageRows64(phi + tok0 * kW, stride, ce, sa + k64OffPhi, sm + k64OffPhi);
-      StageRows64(psi + tok0 * kW, stride, ce, sa + k64OffPsi, sm + k64OffPsi);
-      StageRows64(v + tok0 * kW, stride, ce, sa + k64OffV, sm + k64OffV);
-      mma_tiles::CpAsyncCommit();
-      if (S_in != nullptr && u0 == 0) WriteState64(sm, S_in + ChunkRow(d, b, k, h) * kState);
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      wgmma::FenceProxyAsync();
-      __syncthreads();  // the piece's tiles are in
-
-      const wgmma::DescBase db(sa);
-      // The state term and the scores, two groups in flight together.
-      float acc[8][4], sc[8][4];
-      wgmma::Fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const uint64_t da = db.At(k64OffPhi + 32 * ks);
-#pragma unroll
-        for (int q = kP - 1; q >= 0; --q) {
-          wgmma::MmaSS<0, 1>(acc, da, db.At(k64OffPlanes + q * kPlaneBytes + 2048 * ks),
-                             ks > 0 || q < kP - 1);
-        }
-      }
-      wgmma::Commit();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        wgmma::MmaSS<0, 0>(sc, db.At(k64OffPhi + 32 * ks), db.At(k64OffPsi + 32 * ks), ks > 0);
-      }
-      wgmma::Commit();
-      // Column dv of the state term: phi_m . S[:, dv], this lane's 16 r.
-      float yd[2];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int m = 16 * wi + g + 8 * hr;
-        float x = 0.f;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const uint4 u = *reinterpret_cast<const uint4*>(sm + k64OffPhi + Swz(m, 2 * tq + c));
-          const uint32_t y[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int n = 16 * tq + 8 * c + 2 * e;
-            x = fmaf(LowBf16(y[e]), z[n], x);
-            x = fmaf(HighBf16(y[e]), z[n + 1], x);
-          }
-        }
-        x += __shfl_xor_sync(0xffffffffu, x, 1);
-        x += __shfl_xor_sync(0xffffffffu, x, 2);
-        yd[hr] = x;
-      }
-      wgmma::Wait<0>();
-      wgmma::FenceOperands(acc);
-      wgmma::FenceOperands(sc);
-      // The diagonal block: masked, summed into column dv, split, times vbar.
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (8 * j + 2 * tq + (e & 1) > 16 * wi + g + 8 * (e >> 1)) sc[j][e] = 0.f;
-        }
-      float ones[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ones[e >> 1] += sc[j][e];
-      {
-        uint32_t xa[4][kP][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]),
-                                        xa[kk]);
-        }
-        wgmma::Fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint64_t dv_desc = db.At(k64OffV + 16 * kk * wgmma::kRowBytes);
-#pragma unroll
-          for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], dv_desc);
-        }
-        wgmma::Commit();
-        wgmma::Wait<0>();
-        wgmma::FenceOperands(acc);
-      }
-      // The rows: column dv, the reads of recent rows, den and o (staged).
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        float x = ones[hr];
-        x += __shfl_xor_sync(0xffffffffu, x, 1);
-        x += __shfl_xor_sync(0xffffffffu, x, 2);
-        yd[hr] += x;
-        const int m = 16 * wi + g + 8 * hr;
-        const bool here = m < ce;
-        const int64_t row = tok0 + int64_t{min(m, ce - 1)} * d.H;
-        if (read && here) {
-          const float* src = out.reads + row * kP1;
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e1 = 0; e1 < 2; ++e1) acc[j][2 * hr + e1] += src[8 * j + 2 * tq + e1];
-          yd[hr] += src[kW];
-        }
-        const float dn = yd[hr] + out.eps, inv = 1.f / dn;
-        if (here && tq == 0) out.den[row] = dn;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          *reinterpret_cast<__nv_bfloat162*>(ostage + SwzElem(m, 8 * j + 2 * tq) / 2) =
-              __floats2bfloat162_rn(__fmul_rn(acc[j][2 * hr], inv),
-                                    __fmul_rn(acc[j][2 * hr + 1], inv));
-        }
-      }
-      // S += psi^T vbar: rows 16 wi + g (+ 8) of the state, read exactly from
-      // the planes (each thread reads and later writes the same elements),
-      // the products added, split back.
-      float su[8][4];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const __nv_bfloat16* at = planes + SwzElem(16 * wi + g + 8 * hr, 8 * j + 2 * tq) / 2;
-          float x0 = 0.f, x1 = 0.f;
-#pragma unroll
-          for (int q = 0; q < 3; ++q) {
-            const __nv_bfloat162 y =
-                *reinterpret_cast<const __nv_bfloat162*>(at + q * (kPlaneBytes / 2));
-            x0 += __low2float(y);
-            x1 += __high2float(y);
-          }
-          su[j][2 * hr] = x0;
-          su[j][2 * hr + 1] = x1;
-        }
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kRows64 / 16; ++kk) {  // rows past ce are zeros
-        wgmma::MmaSS<1, 1>(su, db.At(k64OffPsi + 16 * kk * wgmma::kRowBytes),
-                           db.At(k64OffV + 16 * kk * wgmma::kRowBytes));
-      }
-      wgmma::Commit();
-      AddPsiColumnSums64(sm);  // past its barrier: every o row is staged
-      // The piece's o rows out while the update's products run.
-      {
-        const int64_t row0 = tok0;
-        for (int e = tid; e < ce * 8; e += kThreads64) {
-          const int t = e >> 3, q = e & 7;
-          const uint4 x = *reinterpret_cast<const uint4*>(sm + k64OffPhi + Swz(t, q));
-          __nv_bfloat16* dst = out.o + (row0 + int64_t{t} * d.H) * kW + 8 * q;
-          if (vec_out) {
-            *reinterpret_cast<uint4*>(dst) = x;
-          } else {
-            const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(&x);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) dst[i] = xs[i];
-          }
-        }
-      }
-      wgmma::Wait<0>();
-      wgmma::FenceOperands(su);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          mma_tiles::StoreSplitPair<3>(planes + SwzElem(16 * wi + g + 8 * hr, 8 * j + 2 * tq) / 2,
-                                       kPlaneBytes / 2, su[j][2 * hr], su[j][2 * hr + 1]);
-        }
-      wgmma::FenceProxyAsync();  // the planes' stores, before the next piece's products
-      __syncthreads();           // the tiles free again, the planes and z updated
-    }
-  }
-}
-
 }  // namespace
 
 cudaError_t LaunchChunkWalkWgmma(const SmatCudaDims& d, const SmatChunkRuns& ws, int s0, int s1,
-                                 bool rows64, const void* phi, const void* psi, const void* v,
+                                 const void* phi, const void* psi, const void* v,
                                  const float* starts, float* S_in,
                                  const chunk_fwd_mma::Outputs& out, int parts,
                                  cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(d.batch * d.H), static_cast<unsigned>(s1 - s0));
   auto bf = [](const void* x) { return static_cast<const __nv_bfloat16*>(x); };
   return mma_tiles::WithSplitParts(parts, [&](auto kp) {
-    constexpr int kP = decltype(kp)::value;
-    if (rows64) {
-      auto kernel = ChunkWalkWgmma64Kernel<kP>;
-      cudaError_t err = mma_tiles::AllowSharedMemory(kernel, k64SmemBytes);
-      if (err != cudaSuccess) return err;
-      kernel<<<grid, kThreads64, k64SmemBytes, stream>>>(d, ws, bf(phi), bf(psi), bf(v), starts,
-                                                         S_in, out, s0);
-      return cudaGetLastError();
-    }
-    auto kernel = ChunkWalkWgmmaKernel<kP>;
+    auto kernel = ChunkWalkWgmmaKernel<decltype(kp)::value>;
     cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(d, ws, bf(phi), bf(psi), bf(v), starts, S_in,

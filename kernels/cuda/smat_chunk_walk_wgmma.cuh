@@ -1,0 +1,139 @@
+// The pieces the walks on warpgroup MMAs share (smat_chunk_walk_wgmma.sm90a.cu,
+// two warpgroups per block; smat_chunk_walk_wgmma64.sm90a.cu, one): the
+// widths, the state's planes and the products of a warpgroup's 64 query rows
+// on them. A warpgroup's thread holds rows 16 wi + g and 16 wi + g + 8 of its
+// 64 (wi its warp in the warpgroup, g = lane / 4, tq = lane % 4), as the
+// m64n64 accumulators lay them out. Built for sm_90a only.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/smat_mma.cuh"
+#include "kernels/cuda/smat_wgmma.cuh"
+
+namespace smat {
+namespace walk_wgmma {
+
+using wgmma::Swz;
+using wgmma::SwzElem;
+
+constexpr int kW = 64;  // r = dv
+constexpr int kP1 = kW + 1;
+constexpr int kPlaneBytes = kW * wgmma::kRowBytes;  // a plane of the state
+
+// The bf16 pair in a 32-bit word as floats (exact: a bf16 is the high half
+// of its float).
+__device__ __forceinline__ float LowBf16(uint32_t x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float HighBf16(uint32_t x) { return __uint_as_float(x & 0xFFFF0000u); }
+
+// Column dv of the state term for query row m of the swizzled tile phi_tile:
+// phi_m . S[:, dv] (z, fp32), this lane's 16 r, then summed over the quad.
+__device__ __forceinline__ float StateColumnTerm(const char* phi_tile, int m, int tq,
+                                                 const float* z) {
+  float x = 0.f;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const uint4 u = *reinterpret_cast<const uint4*>(phi_tile + Swz(m, 2 * tq + c));
+    const uint32_t y[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = 16 * tq + 8 * c + 2 * e;
+      x = fmaf(LowBf16(y[e]), z[n], x);
+      x = fmaf(HighBf16(y[e]), z[n + 1], x);
+    }
+  }
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+// The state term phi S of the 64 rows at shared offset phi_off (m64n64k16
+// products from shared memory, kP of the planes at planes_off, the smallest
+// first; acc's old values unread). The caller fences and commits.
+template <int kP>
+__device__ __forceinline__ void StateTermProducts(float (&acc)[8][4], const wgmma::DescBase& db,
+                                                  uint32_t phi_off, uint32_t planes_off) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const uint64_t da = db.At(phi_off + 32 * ks);
+#pragma unroll
+    for (int q = kP - 1; q >= 0; --q) {
+      wgmma::MmaSS<0, 1>(acc, da, db.At(planes_off + q * kPlaneBytes + 2048 * ks),
+                         ks > 0 || q < kP - 1);
+    }
+  }
+}
+
+// A key block's scores sc (waited for) into the rows: masked above the
+// diagonal where `diagonal`, summed into ones (column dv), split into kP
+// bf16 parts and multiplied by the block's 64 vbar rows at shared offset
+// v_off into acc, waited for.
+template <int kP>
+__device__ __forceinline__ void CausalProducts(float (&sc)[8][4], bool diagonal, int wi, int g,
+                                               int tq, const wgmma::DescBase& db, uint32_t v_off,
+                                               float (&ones)[2], float (&acc)[8][4]) {
+  if (diagonal) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (8 * j + 2 * tq + (e & 1) > 16 * wi + g + 8 * (e >> 1)) sc[j][e] = 0.f;
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ones[e >> 1] += sc[j][e];
+  uint32_t xa[4][kP][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]), xa[kk]);
+  }
+  wgmma::Fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t dv_desc = db.At(v_off + 16 * kk * wgmma::kRowBytes);
+#pragma unroll
+    for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], dv_desc);
+  }
+  wgmma::Commit();
+  wgmma::Wait<0>();
+  wgmma::FenceOperands(acc);
+}
+
+// The thread's state rows 16 wi + g (+ 8) read exactly from the three planes
+// into su (the accumulator layout), and written back split.
+__device__ __forceinline__ void ReadStateRows(const __nv_bfloat16* planes, int wi, int g, int tq,
+                                              float (&su)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const __nv_bfloat16* at = planes + SwzElem(16 * wi + g + 8 * hr, 8 * j + 2 * tq) / 2;
+      float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+      for (int q = 0; q < 3; ++q) {
+        const __nv_bfloat162 y =
+            *reinterpret_cast<const __nv_bfloat162*>(at + q * (kPlaneBytes / 2));
+        x0 += __low2float(y);
+        x1 += __high2float(y);
+      }
+      su[j][2 * hr] = x0;
+      su[j][2 * hr + 1] = x1;
+    }
+}
+__device__ __forceinline__ void WriteStateRows(__nv_bfloat16* planes, int wi, int g, int tq,
+                                               const float (&su)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      mma_tiles::StoreSplitPair<3>(planes + SwzElem(16 * wi + g + 8 * hr, 8 * j + 2 * tq) / 2,
+                                   kPlaneBytes / 2, su[j][2 * hr], su[j][2 * hr + 1]);
+    }
+}
+
+}  // namespace walk_wgmma
+}  // namespace smat
