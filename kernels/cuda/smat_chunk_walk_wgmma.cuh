@@ -28,6 +28,66 @@ constexpr int kPlaneBytes = kW * wgmma::kRowBytes;  // a plane of the state
 __device__ __forceinline__ float LowBf16(uint32_t x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float HighBf16(uint32_t x) { return __uint_as_float(x & 0xFFFF0000u); }
 
+// Rows [0, ce) of one bf16 feature (rows `stride` elements apart from `src`)
+// into a kRows-row swizzled tile at shared address `tile` (`ptr` in the
+// generic space), zeros past ce; the block's kThreads threads.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void StageTileRows(const __nv_bfloat16* __restrict__ src, int64_t stride,
+                                              int ce, uint32_t tile, char* ptr) {
+  const int q = threadIdx.x & 7, t0 = threadIdx.x >> 3;
+#pragma unroll
+  for (int u = 0; u < kRows * 8 / kThreads; ++u) {
+    const int t = t0 + kThreads / 8 * u;
+    const uint32_t off = Swz(t, q);
+    if (t < ce) {
+      mma_tiles::CpAsync16(tile + off, src + t * stride + 8 * q);
+    } else {
+      *reinterpret_cast<uint4*>(ptr + off) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// The state S (kW x kP1 fp32, row-major) into the three planes and z (its
+// column dv, fp32); the block's kThreads threads.
+template <int kThreads>
+__device__ __forceinline__ void StageStateRows(const float* __restrict__ S, __nv_bfloat16* planes,
+                                               float* z) {
+#pragma unroll
+  for (int half = 0; half < 4 * kW / kThreads; ++half) {
+    const int row = (threadIdx.x >> 2) + kThreads / 4 * half, pr = threadIdx.x & 3;
+    const float* Srow = S + row * kP1;
+    float x[8][2];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) x[j][c] = __ldg(&Srow[2 * (pr + 4 * j) + c]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      mma_tiles::StoreSplitPair<3>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
+                                   x[j][0], x[j][1]);
+    }
+    if (pr == 0) z[row] = __ldg(&Srow[kW]);
+  }
+}
+
+// S_in[k] (kW x kP1 fp32, row-major) from the planes and z; kThreads threads.
+template <int kThreads>
+__device__ __forceinline__ void WriteStateTo(const __nv_bfloat16* planes, const float* z,
+                                             float* __restrict__ out) {
+  for (int e = threadIdx.x; e < kW * kP1; e += kThreads) {
+    const int row = e / kP1, col = e - row * kP1;
+    float x;
+    if (col < kW) {
+      const __nv_bfloat16* at = planes + SwzElem(row, col) / 2;
+      x = (__bfloat162float(at[0]) + __bfloat162float(at[kPlaneBytes / 2])) +
+          __bfloat162float(at[kPlaneBytes]);
+    } else {
+      x = z[row];
+    }
+    out[e] = x;
+  }
+}
+
 // Column dv of the state term for query row m of the swizzled tile phi_tile:
 // phi_m . S[:, dv] (z, fp32), this lane's 16 r, then summed over the quad.
 __device__ __forceinline__ float StateColumnTerm(const char* phi_tile, int m, int tq,

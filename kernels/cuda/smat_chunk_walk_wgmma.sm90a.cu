@@ -67,7 +67,7 @@ using mma_tiles::SmemAddr;
 using namespace walk_wgmma;  // NOLINT: the walks' shared pieces
 
 constexpr int kThreads = 256;
-constexpr int kC = 128;  // chunk tokens held
+constexpr int kC = 128;                            // chunk tokens held
 constexpr int kTileBytes = kC * wgmma::kRowBytes;  // a token tile, [kC][kW] swizzled
 constexpr int kOffPhi = 0, kOffPsi = kTileBytes, kOffV = 2 * kTileBytes;
 constexpr int kOffPlanes = 3 * kTileBytes;
@@ -77,60 +77,6 @@ constexpr int kOutLd = 72;                           // bf16 pitch of the staged
 constexpr int kOffOut = kOffZPart + 4 * kW * 4;
 constexpr int kSmemBytes = kOffOut + kC * kOutLd * 2 + 1024;  // + room to align the base
 static_assert(kOffPlanes % 1024 == 0 && kPlaneBytes % 1024 == 0, "atoms on 1024-byte lines");
-
-// Chunk rows [0, ce) of one bf16 feature (rows `stride` elements apart from
-// `src`) into the swizzled tile at shared address `tile` (`ptr` in the generic
-// space), zeros past ce.
-__device__ __forceinline__ void StageRows(const __nv_bfloat16* __restrict__ src, int64_t stride,
-                                          int ce, uint32_t tile, char* ptr) {
-  const int q = threadIdx.x & 7, t0 = threadIdx.x >> 3;
-#pragma unroll
-  for (int u = 0; u < kC / 32; ++u) {
-    const int t = t0 + 32 * u;
-    const uint32_t off = Swz(t, q);
-    if (t < ce) {
-      CpAsync16(tile + off, src + t * stride + 8 * q);
-    } else {
-      *reinterpret_cast<uint4*>(ptr + off) = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-}
-
-// The state S (kW x kP1 fp32, row-major) into the planes and z.
-__device__ __forceinline__ void StageState(const float* __restrict__ S, char* sm) {
-  const int row = threadIdx.x >> 2, pr = threadIdx.x & 3;
-  const float* Srow = S + row * kP1;
-  float x[8][2];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) x[j][c] = __ldg(&Srow[2 * (pr + 4 * j) + c]);
-  __nv_bfloat16* planes = reinterpret_cast<__nv_bfloat16*>(sm + kOffPlanes);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    mma_tiles::StoreSplitPair<3>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
-                                 x[j][0], x[j][1]);
-  }
-  if (pr == 0) reinterpret_cast<float*>(sm + kOffZ)[row] = __ldg(&Srow[kW]);
-}
-
-// S_in[k] (kW x kP1 fp32, row-major) from the planes and z.
-__device__ __forceinline__ void WriteState(const char* sm, float* __restrict__ out) {
-  const __nv_bfloat16* planes = reinterpret_cast<const __nv_bfloat16*>(sm + kOffPlanes);
-  const float* z = reinterpret_cast<const float*>(sm + kOffZ);
-  for (int e = threadIdx.x; e < kW * kP1; e += kThreads) {
-    const int row = e / kP1, col = e - row * kP1;
-    float x;
-    if (col < kW) {
-      const __nv_bfloat16* at = planes + SwzElem(row, col) / 2;
-      x = (__bfloat162float(at[0]) + __bfloat162float(at[kPlaneBytes / 2])) +
-          __bfloat162float(at[kPlaneBytes]);
-    } else {
-      x = z[row];
-    }
-    out[e] = x;
-  }
-}
 
 // The o rows of the chunk at c0 (ce tokens) from the staging rows to memory.
 __device__ __forceinline__ void StoreRows(const SmatCudaDims& d, int b, int h, int64_t c0, int ce,
@@ -212,7 +158,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   int k0, k1;
   cuda_detail::RunChunks(ws, d.Lc, s, &k0, &k1);
   constexpr int64_t kState = int64_t{kW} * kP1;
-  StageState(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState, sm);
+  StageStateRows<kThreads>(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState,
+                           reinterpret_cast<__nv_bfloat16*>(sm + kOffPlanes),
+                           reinterpret_cast<float*>(sm + kOffZ));
   __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(sm + kOffPlanes);
   const float* const z = reinterpret_cast<const float*>(sm + kOffZ);
   __nv_bfloat16* const ostage = reinterpret_cast<__nv_bfloat16*>(sm + kOffOut);
@@ -235,12 +183,12 @@ __global__ void __launch_bounds__(kThreads, 2)
         asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(row + 128 * piece));
       }
     }
-    StageRows(phi + tok0 * kW, stride, ce, sa + kOffPhi, sm + kOffPhi);
-    StageRows(psi + tok0 * kW, stride, ce, sa + kOffPsi, sm + kOffPsi);
-    StageRows(v + tok0 * kW, stride, ce, sa + kOffV, sm + kOffV);
+    StageTileRows<kC, kThreads>(phi + tok0 * kW, stride, ce, sa + kOffPhi, sm + kOffPhi);
+    StageTileRows<kC, kThreads>(psi + tok0 * kW, stride, ce, sa + kOffPsi, sm + kOffPsi);
+    StageTileRows<kC, kThreads>(v + tok0 * kW, stride, ce, sa + kOffV, sm + kOffV);
     mma_tiles::CpAsyncCommit();
     // While the rows come in: S_in[k] out, and the previous chunk's o rows.
-    if (S_in != nullptr) WriteState(sm, S_in + ChunkRow(d, b, k, h) * kState);
+    if (S_in != nullptr) WriteStateTo<kThreads>(planes, z, S_in + ChunkRow(d, b, k, h) * kState);
     if (k > k0) StoreRows(d, b, h, c0 - d.chunk, prev_ce, ostage, out.o, vec_out);
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     wgmma::FenceProxyAsync();  // the tiles, and the planes the update wrote

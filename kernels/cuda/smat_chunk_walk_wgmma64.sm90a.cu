@@ -58,61 +58,6 @@ constexpr int k64SmemBytes = k64OffZPart + 4 * kW * 4 + 1024;  // + room to alig
 static_assert(k64OffPlanes % 1024 == 0, "atoms on 1024-byte lines");
 static_assert(4 * (k64SmemBytes + 1024) <= 228 * 1024, "four blocks per SM");
 
-// Rows [0, ce) of a 64-row piece into the swizzled tile (as StageRows).
-__device__ __forceinline__ void StageRows64(const __nv_bfloat16* __restrict__ src, int64_t stride,
-                                            int ce, uint32_t tile, char* ptr) {
-  const int q = threadIdx.x & 7, t0 = threadIdx.x >> 3;
-#pragma unroll
-  for (int u = 0; u < kRows64 / 16; ++u) {
-    const int t = t0 + 16 * u;
-    const uint32_t off = Swz(t, q);
-    if (t < ce) {
-      CpAsync16(tile + off, src + t * stride + 8 * q);
-    } else {
-      *reinterpret_cast<uint4*>(ptr + off) = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-}
-
-// The state S (kW x kP1 fp32) into the planes and z, 128 threads.
-__device__ __forceinline__ void StageState64(const float* __restrict__ S, char* sm) {
-  __nv_bfloat16* planes = reinterpret_cast<__nv_bfloat16*>(sm + k64OffPlanes);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = (threadIdx.x >> 2) + 32 * half, pr = threadIdx.x & 3;
-    const float* Srow = S + row * kP1;
-    float x[8][2];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) x[j][c] = __ldg(&Srow[2 * (pr + 4 * j) + c]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      mma_tiles::StoreSplitPair<3>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
-                                   x[j][0], x[j][1]);
-    }
-    if (pr == 0) reinterpret_cast<float*>(sm + k64OffZ)[row] = __ldg(&Srow[kW]);
-  }
-}
-
-// S_in[k] from the planes and z, 128 threads.
-__device__ __forceinline__ void WriteState64(const char* sm, float* __restrict__ out) {
-  const __nv_bfloat16* planes = reinterpret_cast<const __nv_bfloat16*>(sm + k64OffPlanes);
-  const float* z = reinterpret_cast<const float*>(sm + k64OffZ);
-  for (int e = threadIdx.x; e < kW * kP1; e += kThreads64) {
-    const int row = e / kP1, col = e - row * kP1;
-    float x;
-    if (col < kW) {
-      const __nv_bfloat16* at = planes + SwzElem(row, col) / 2;
-      x = (__bfloat162float(at[0]) + __bfloat162float(at[kPlaneBytes / 2])) +
-          __bfloat162float(at[kPlaneBytes]);
-    } else {
-      x = z[row];
-    }
-    out[e] = x;
-  }
-}
-
 // S[:, dv] += the column sums of the piece's psi rows (piece c of r, tokens
 // 4 tg .. 4 tg + 3 a thread), in a fixed order. Ends past the block's barrier.
 __device__ __forceinline__ void AddPsiColumnSums64(char* sm) {
@@ -172,7 +117,9 @@ __global__ void __launch_bounds__(kThreads64, 4)
   int k0, k1;
   cuda_detail::RunChunks(ws, d.Lc, s, &k0, &k1);
   constexpr int64_t kState = int64_t{kW} * kP1;
-  StageState64(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState, sm);
+  StageStateRows<kThreads64>(
+      starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState,
+      reinterpret_cast<__nv_bfloat16*>(sm + k64OffPlanes), reinterpret_cast<float*>(sm + k64OffZ));
   __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(sm + k64OffPlanes);
   const float* const z = reinterpret_cast<const float*>(sm + k64OffZ);
   // The o rows wait in phi's tile once its products are done.
@@ -195,11 +142,15 @@ __global__ void __launch_bounds__(kThreads64, 4)
           asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(row + 128 * piece));
         }
       }
-      StageRows64(phi + tok0 * kW, stride, ce, sa + k64OffPhi, sm + k64OffPhi);
-      StageRows64(psi + tok0 * kW, stride, ce, sa + k64OffPsi, sm + k64OffPsi);
-      StageRows64(v + tok0 * kW, stride, ce, sa + k64OffV, sm + k64OffV);
+      StageTileRows<kRows64, kThreads64>(phi + tok0 * kW, stride, ce, sa + k64OffPhi,
+                                         sm + k64OffPhi);
+      StageTileRows<kRows64, kThreads64>(psi + tok0 * kW, stride, ce, sa + k64OffPsi,
+                                         sm + k64OffPsi);
+      StageTileRows<kRows64, kThreads64>(v + tok0 * kW, stride, ce, sa + k64OffV, sm + k64OffV);
       mma_tiles::CpAsyncCommit();
-      if (S_in != nullptr && u0 == 0) WriteState64(sm, S_in + ChunkRow(d, b, k, h) * kState);
+      if (S_in != nullptr && u0 == 0) {
+        WriteStateTo<kThreads64>(planes, z, S_in + ChunkRow(d, b, k, h) * kState);
+      }
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
       wgmma::FenceProxyAsync();
       __syncthreads();  // the piece's tiles are in
