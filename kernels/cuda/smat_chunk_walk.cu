@@ -81,7 +81,7 @@
 // one launch: the forward for inference took 2.020-2.054 ms so and
 // 2.046-2.077 split. (The nineteenth pass had split only the distant part
 // off, half a wave at one block per SM beside the side stream's reads: 2.23
-// -> 2.37-2.56 ms, see below.)
+// -> 2.37-2.56 ms, see above.)
 //
 // The block shape and the shared pieces: smat_chunk_fwd_mma.cuh.
 #include <cuda_bf16.h>
@@ -462,6 +462,9 @@ int WalkKind(bool full, bool keeps_states) {
   return 0;
 }
 constexpr int kWalkRows64 = 2;  // SmatWalk::kWgmma64
+#if defined(SMAT_HAVE_SM90A)
+static_assert(kWalkRows64 == static_cast<int>(SmatWalk::kWgmma64), "the kinds' numbers");
+#endif
 int WalkBlocksPerSm(int kind) { return kind == kWalkRows64 ? 4 : 2; }
 
 template <bool kFull, int kP>
