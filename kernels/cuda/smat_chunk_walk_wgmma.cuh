@@ -88,6 +88,49 @@ __device__ __forceinline__ void WriteStateTo(const __nv_bfloat16* planes, const 
   }
 }
 
+// S[:, dv] (z) += the column sums of the first kRows rows of the swizzled psi
+// tile, on 128 threads (a warpgroup: piece c of r, tokens kRows / 16 a
+// thread), in a fixed order: a thread's tokens in turn, then over the
+// threads of a warp, then the warps (part: [4][kW] fp32 scratch). kBlock:
+// the block's barrier between the partial sums and the adds (a block of one
+// warpgroup), else named barrier 1 of warpgroup 0.
+template <int kRows, bool kBlock>
+__device__ __forceinline__ void AddPsiColumnSums(const char* psi_tile, float* part, float* z) {
+  constexpr int kPer = kRows / 16;
+  const int tid = threadIdx.x, c = tid & 7, tg = tid >> 3;
+  float x[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) x[e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const uint4 u = *reinterpret_cast<const uint4*>(psi_tile + Swz(kPer * tg + i, c));
+    const uint32_t y[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[2 * e] += LowBf16(y[e]);
+      x[2 * e + 1] += HighBf16(y[e]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 8);
+    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 16);
+  }
+  const int w = tid >> 5, lane = tid & 31;
+  if (lane < 8) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) part[w * kW + 8 * c + e] = x[e];
+  }
+  if constexpr (kBlock) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  }
+  if (tid < kW) {
+    z[tid] += (part[tid] + part[kW + tid]) + (part[2 * kW + tid] + part[3 * kW + tid]);
+  }
+}
+
 // Column dv of the state term for query row m of the swizzled tile phi_tile:
 // phi_m . S[:, dv] (z, fp32), this lane's 16 r, then summed over the quad.
 __device__ __forceinline__ float StateColumnTerm(const char* phi_tile, int m, int tq,

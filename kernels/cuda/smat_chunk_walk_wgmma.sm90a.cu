@@ -99,42 +99,6 @@ __device__ __forceinline__ void StoreRows(const SmatCudaDims& d, int b, int h, i
   }
 }
 
-// S[:, dv] += the column sums of the chunk's psi rows, on warpgroup 0 (128
-// threads: piece c of r, tokens 8 tg .. 8 tg + 7), in a fixed order: the
-// tokens of a thread in turn, then over tg (within a warp, then the warps).
-__device__ __forceinline__ void AddPsiColumnSums(const char* psi_tile, char* sm) {
-  const int tid = threadIdx.x, c = tid & 7, tg = tid >> 3;
-  float x[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) x[e] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint4 u = *reinterpret_cast<const uint4*>(psi_tile + Swz(8 * tg + i, c));
-    const uint32_t y[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      x[2 * e] += LowBf16(y[e]);
-      x[2 * e + 1] += HighBf16(y[e]);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 8);
-    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 16);
-  }
-  float* part = reinterpret_cast<float*>(sm + kOffZPart);
-  const int w = tid >> 5, lane = tid & 31;
-  if (lane < 8) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) part[w * kW + 8 * c + e] = x[e];
-  }
-  asm volatile("bar.sync 1, 128;\n" ::: "memory");  // warpgroup 0's partial sums
-  if (tid < kW) {
-    float* z = reinterpret_cast<float*>(sm + kOffZ);
-    z[tid] += (part[tid] + part[kW + tid]) + (part[2 * kW + tid] + part[3 * kW + tid]);
-  }
-}
-
 // grid (batch * H, segments), kThreads threads, kSmemBytes of shared memory
 // (two blocks per SM).
 template <int kP>
@@ -323,7 +287,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                            db.At(kOffV + 16 * kk * wgmma::kRowBytes));
       }
       wgmma::Commit();
-      AddPsiColumnSums(sm + kOffPsi, sm);
+      AddPsiColumnSums<kC, false>(sm + kOffPsi, reinterpret_cast<float*>(sm + kOffZPart),
+                                  reinterpret_cast<float*>(sm + kOffZ));
       wgmma::Wait<0>();
       wgmma::FenceOperands(su);
       WriteStateRows(planes, wi, g, tq, su);

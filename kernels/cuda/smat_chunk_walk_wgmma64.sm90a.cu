@@ -29,8 +29,8 @@ using mma_tiles::SmemAddr;
 
 // ChunkWalkWgmma64Kernel walks the segments of ChunkWalkWgmmaKernel with one
 // warpgroup per block (128 threads, 50 KB of shared memory: four blocks per
-// SM, twice the independent walks of ChunkWalkWgmmaKernel) and takes a chunk in pieces of
-// up to 64 rows: the state entering a piece is the chunk's entering state
+// SM, twice the independent walks of ChunkWalkWgmmaKernel) and takes a chunk
+// in pieces of up to 64 rows: the state entering a piece is the chunk's entering state
 // plus the products of the chunk's earlier pieces, so each piece needs the
 // causal sums of its own diagonal block only (64 x 64: the chunk's other key
 // block is in the state), 16 of the 20 products per 64 rows that the
@@ -57,42 +57,6 @@ constexpr int k64OffZPart = k64OffZ + kW * 4;
 constexpr int k64SmemBytes = k64OffZPart + 4 * kW * 4 + 1024;  // + room to align the base
 static_assert(k64OffPlanes % 1024 == 0, "atoms on 1024-byte lines");
 static_assert(4 * (k64SmemBytes + 1024) <= 228 * 1024, "four blocks per SM");
-
-// S[:, dv] += the column sums of the piece's psi rows (piece c of r, tokens
-// 4 tg .. 4 tg + 3 a thread), in a fixed order. Ends past the block's barrier.
-__device__ __forceinline__ void AddPsiColumnSums64(char* sm) {
-  const int tid = threadIdx.x, c = tid & 7, tg = tid >> 3;
-  const char* psi_tile = sm + k64OffPsi;
-  float x[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) x[e] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 u = *reinterpret_cast<const uint4*>(psi_tile + Swz(4 * tg + i, c));
-    const uint32_t y[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      x[2 * e] += LowBf16(y[e]);
-      x[2 * e + 1] += HighBf16(y[e]);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 8);
-    x[e] += __shfl_xor_sync(0xffffffffu, x[e], 16);
-  }
-  float* part = reinterpret_cast<float*>(sm + k64OffZPart);
-  const int w = tid >> 5, lane = tid & 31;
-  if (lane < 8) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) part[w * kW + 8 * c + e] = x[e];
-  }
-  __syncthreads();
-  if (tid < kW) {
-    float* z = reinterpret_cast<float*>(sm + k64OffZ);
-    z[tid] += (part[tid] + part[kW + tid]) + (part[2 * kW + tid] + part[3 * kW + tid]);
-  }
-}
 
 // grid (batch * H, s1 - s0), kThreads64 threads, k64SmemBytes of shared
 // memory (four blocks per SM).
@@ -216,7 +180,9 @@ __global__ void __launch_bounds__(kThreads64, 4)
                            db.At(k64OffV + 16 * kk * wgmma::kRowBytes));
       }
       wgmma::Commit();
-      AddPsiColumnSums64(sm);  // past its barrier: every o row is staged
+      // Past its barrier every o row is staged.
+      AddPsiColumnSums<kRows64, true>(sm + k64OffPsi, reinterpret_cast<float*>(sm + k64OffZPart),
+                                      reinterpret_cast<float*>(sm + k64OffZ));
       // The piece's o rows out while the update's products run.
       {
         const int64_t row0 = tok0;
