@@ -128,6 +128,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/smat_chunk_bwd_mma.cuh"
+#include "kernels/cuda/smat_chunk_bwd_wgmma.h"
 #include "kernels/cuda/smat_device.cuh"
 #include "kernels/cuda/smat_fast_tiles.cuh"
 #include "kernels/cuda/smat_mma.cuh"
@@ -594,6 +595,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+bool Aligned8(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 7) == 0; }
+
 template <bool kGated, bool kAssign, int kP, bool kDo>
 cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi, const void* v,
                         const float* lam, const float* chunk_decay, const float* S_in,
@@ -604,9 +607,8 @@ cudaError_t LaunchGated(const SmatCudaDims& d, const void* phi, const void* psi,
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v) &&
                    (!kDo || fast_tiles::Aligned16(gf.d_o));
-  auto aligned8 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 7) == 0; };
-  const bool pairs_r = d.r % 2 == 0 && aligned8(phi_bar) && aligned8(psi_bar);
-  const bool pairs_v = d.dv % 2 == 0 && aligned8(v_bar);
+  const bool pairs_r = d.r % 2 == 0 && Aligned8(phi_bar) && Aligned8(psi_bar);
+  const bool pairs_v = d.dv % 2 == 0 && Aligned8(v_bar);
   const bool full = d.r == kW && d.dv == kW && vec && pairs_r && pairs_v;
   auto kernel = full ? ChunkBackwardFusedKernel<kGated, kAssign, true, kP, kDo>
                      : ChunkBackwardFusedKernel<kGated, kAssign, false, kP, kDo>;
@@ -648,6 +650,15 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(
   using Yes = std::true_type;
   using No = std::false_type;
   // The factors come with ChunkBackward, which writes its outputs.
+#if defined(SMAT_HAVE_SM90A)
+  if (by_factors && assign && lam == nullptr && d.r == kW && d.dv == kW && d.chunk <= kC &&
+      fast_tiles::Aligned16(phi) && fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v) &&
+      fast_tiles::Aligned16(gf.d_o) && Aligned8(phi_bar) && Aligned8(psi_bar) && Aligned8(v_bar) &&
+      SmatChunkBackwardOnWgmma()) {
+    return LaunchChunkBackwardWgmma(d, phi, psi, v, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc,
+                                    gf, SmatBf16SplitParts(), stream);
+  }
+#endif
   if (by_factors && assign) {
     return lam != nullptr ? launch(Yes(), Yes(), Yes()) : launch(No(), Yes(), Yes());
   }

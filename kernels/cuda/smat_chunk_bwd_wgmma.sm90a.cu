@@ -1,0 +1,415 @@
+// B7 (eq. 19 of Appendix E) on warpgroup MMAs: ChunkBackward's phi_bar,
+// psi_bar and v_bar of a chunk for ungated bf16 inputs at r = dv = 64, from
+// gbar's factors (gbar_t[0:dv] = d_o_t / den_t, SmatGbarFactors), written.
+// Per chunk k and (b, h), t and s tokens of the chunk, G[t, s] = gbar_t . vbar_s
+// and A[t, s] = phi_t . psi_s:
+//   phi_bar_t = S_in gbar_t        + sum_{s <= t} G[t, s] psi_s
+//   psi_bar_s = D_bar vbar_s       + sum_{t >= s} G[t, s] phi_t
+//   v_bar_s   = (D_bar^T psi_s)[:dv] + sum_{t >= s} A[t, s] gbar_t[:dv]
+// The same sums as ChunkBackwardFusedKernel (smat_chunk_bwd_mma.cu), which
+// serves every other case (gated, other widths, gbar in full, adding to the
+// outputs) and SMAT_CUDA_CHUNK_TILES=mma.
+//
+// Block: two warpgroups (256 threads), two blocks per SM (90.5 KB of shared
+// memory each with three parts). The chunk's phi, psi, v and d_o rows are
+// staged once by cp.async as 128-row swizzled tiles (smat_wgmma.cuh), then
+// D_bar (with its carry) as kP bf16 planes and its column dv in fp32, 1 / den
+// and gbar's column dv per token. Each output is taken in 64-row tiles, m64n64
+// products a warpgroup at a time: per block of 64 tokens on the other side,
+// the score tile (4 products of exact bf16 operands from shared memory), then
+// in registers the fp32 scaling, the causal mask on the diagonal and the split
+// into kP bf16 parts, then the kP x 4 products of the parts (A from registers)
+// with the other side's rows; then the side term from the planes. Warpgroup 0
+// takes psi_bar's first tile and v_bar's second, warpgroup 1 the other two;
+// then each its query tile's causal sum (0 the first, 1 the second), held in
+// registers while S_in's planes replace D_bar's (two block barriers), and its
+// side term S_in gbar_t. Each output element is written once, by one thread,
+// summed in a fixed order: the same inputs give the same bits.
+//
+// Exactness: as the walks on warpgroup MMAs and B7 on mma.sync, bf16 inputs
+// and d_o enter as one exact part, every fp32 operand (the score tiles, S_in,
+// D_bar) as kP bf16 parts, the smallest first, into fp32 accumulators;
+// 1 / den_t applies in fp32 where each product is formed.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "kernels/cuda/smat_chunk_bwd_wgmma.h"
+#include "kernels/cuda/smat_chunk_walk_wgmma.cuh"
+#include "kernels/cuda/smat_cuda_kernels.h"
+#include "kernels/cuda/smat_device.cuh"
+#include "kernels/cuda/smat_mma.cuh"
+#include "kernels/cuda/smat_wgmma.cuh"
+
+namespace smat {
+namespace {
+
+using cuda_detail::ChunkRow;
+using cuda_detail::TokenRow;
+using mma_tiles::SmemAddr;
+using walk_wgmma::kP1;
+using walk_wgmma::kPlaneBytes;
+using walk_wgmma::kW;
+using wgmma::SwzElem;
+
+constexpr int kThreads = 256;
+constexpr int kC = 128;                       // chunk tokens held
+constexpr int kTile = kC * wgmma::kRowBytes;  // [128][64] bf16, swizzled
+constexpr int kHalf = 64 * wgmma::kRowBytes;  // a 64-row tile within it
+constexpr int kOffPhi = 0, kOffPsi = kTile, kOffV = 2 * kTile, kOffDo = 3 * kTile;
+constexpr int kOffPlanes = 4 * kTile;
+// fp32 after the planes: gs = 1 / den [kC], gcol = gbar[:, dv] [kC],
+// scol = S_in[:, dv] [kW], dcol = D_bar[:, dv] [kW].
+template <int kP>
+constexpr int kOffFloats = kOffPlanes + kP* kPlaneBytes;
+template <int kP>
+constexpr int kSmemBytes = kOffFloats<kP> + (2 * kC + 2 * kW) * 4 + 1024;  // + room to align
+static_assert(2 * (kSmemBytes<3> + 1024) <= 228 * 1024, "two blocks per SM");
+
+// The matrix M (kW x kP1 fp32, row-major; with Mc: M + scale Mc) into kP
+// planes (rows m, columns n < kW, swizzled) and its column kW into col; the
+// block's threads, a row's column pairs over four of them.
+template <int kP>
+__device__ __forceinline__ void StagePlanes(const float* __restrict__ M,
+                                            const float* __restrict__ Mc, float scale,
+                                            __nv_bfloat16* planes, float* col) {
+  static_assert(kThreads == 4 * kW, "a row per four threads");
+  const int row = threadIdx.x >> 2, pr = threadIdx.x & 3;
+  const float* Mrow = M + row * kP1;
+  const float* Crow = Mc != nullptr ? Mc + row * kP1 : nullptr;
+  float x[8][2];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) x[j][c] = __ldg(&Mrow[2 * (pr + 4 * j) + c]);
+  if (Crow != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        x[j][c] = fmaf(scale, __ldg(&Crow[2 * (pr + 4 * j) + c]), x[j][c]);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    mma_tiles::StoreSplitPair<kP>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
+                                  x[j][0], x[j][1]);
+  }
+  if (pr == 0 && col != nullptr) {
+    float y = __ldg(&Mrow[kW]);
+    if (Crow != nullptr) y = fmaf(scale, __ldg(&Crow[kW]), y);
+    col[row] = y;
+  }
+}
+
+// What a warpgroup's threads share: the tiles' descriptors and the thread's
+// place in the m64n64 accumulator (rows 16 wi + g and 16 wi + g + 8 of a
+// 64-row tile, columns 8 j + 2 tq and 8 j + 2 tq + 1).
+struct Ctx {
+  wgmma::DescBase db;
+  const float* gs;
+  const float* gcol;
+  const float* scol;
+  const float* dcol;
+  int wi, g, tq, nb;
+};
+
+// The causal product of one 64 x 64 score tile sc (waited for) into acc:
+// sc split into kP bf16 parts (A from registers) times the 64 rows at shared
+// offset b_off (MN-major: the rows are the reduction), waited for.
+template <int kP>
+__device__ __forceinline__ void TileProducts(const Ctx& cx, float (&sc)[8][4], uint32_t b_off,
+                                             float (&acc)[8][4]) {
+  uint32_t xa[4][kP][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]), xa[kk]);
+  }
+  wgmma::Fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t desc = cx.db.At(b_off + 16 * kk * wgmma::kRowBytes);
+#pragma unroll
+    for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], desc);
+  }
+  wgmma::Commit();
+  wgmma::Wait<0>();
+  wgmma::FenceOperands(acc);
+}
+
+// sc = (rows at a_off) (rows at b_off)^T, both K-major 64-row tiles: the
+// exact bf16 scores, waited for.
+__device__ __forceinline__ void Scores(const Ctx& cx, uint32_t a_off, uint32_t b_off,
+                                       float (&sc)[8][4]) {
+  wgmma::Fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    wgmma::MmaSS<0, 0>(sc, cx.db.At(a_off + 32 * ks), cx.db.At(b_off + 32 * ks), ks > 0);
+  }
+  wgmma::Commit();
+  wgmma::Wait<0>();
+  wgmma::FenceOperands(sc);
+}
+
+// acc += (rows at a_off, K-major) times the kP planes, K-major (kMn = 0:
+// B(k, n) = M[n][k]) or MN-major (kMn = 1: B(k, n) = M[k][n]), the smallest
+// part first, waited for.
+template <int kP, int kMn>
+__device__ __forceinline__ void SideProducts(const Ctx& cx, uint32_t a_off, float (&acc)[8][4]) {
+  wgmma::Fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const uint64_t da = cx.db.At(a_off + 32 * ks);
+#pragma unroll
+    for (int q = kP - 1; q >= 0; --q) {
+      wgmma::MmaSS<0, kMn>(acc, da,
+                           cx.db.At(kOffPlanes + q * kPlaneBytes + (kMn ? 2048 * ks : 32 * ks)));
+    }
+  }
+  wgmma::Commit();
+  wgmma::Wait<0>();
+  wgmma::FenceOperands(acc);
+}
+
+// Rows m0 + (the thread's two rows) of out (token rows of kW floats), those
+// below ce, from acc.
+__device__ __forceinline__ void StoreTile(const Ctx& cx, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int ce, int m0, const float (&acc)[8][4],
+                                          float* __restrict__ out) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = m0 + 16 * cx.wi + cx.g + 8 * hr;
+    if (m >= ce) continue;
+    float* o = out + TokenRow(d, b, c0 + m, h) * kW + 2 * cx.tq;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      *reinterpret_cast<float2*>(o + 8 * j) = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
+    }
+  }
+}
+
+// psi_bar rows of 64-token block J: sum over query blocks I >= J of
+// X^T[s, t] = (vbar_s . gbar_t) phi_t, then D_bar vbar_s.
+template <int kP>
+__device__ __forceinline__ void KeyPsi(const Ctx& cx, const SmatCudaDims& d, int b, int h,
+                                       int64_t c0, int ce, int J, float* __restrict__ psi_bar) {
+  float acc[8][4];
+  cuda_detail::ZeroAcc(acc);
+  for (int I = J; I < cx.nb; ++I) {
+    float sc[8][4];
+    Scores(cx, kOffV + J * kHalf, kOffDo + I * kHalf, sc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tl = 8 * j + 2 * cx.tq + (e & 1), t = 64 * I + tl;
+        const float x = fmaf(cx.gs[t], sc[j][e], cx.gcol[t]);
+        sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
+      }
+    TileProducts<kP>(cx, sc, kOffPhi + I * kHalf, acc);
+  }
+  SideProducts<kP, 0>(cx, kOffV + J * kHalf, acc);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] += cx.dcol[8 * j + 2 * cx.tq + (e & 1)];
+  StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, psi_bar);
+}
+
+// v_bar rows of 64-token block J: sum over query blocks I >= J of
+// X^T[s, t] = (psi_s . phi_t) / den_t times d_o_t, then D_bar^T psi_s.
+template <int kP>
+__device__ __forceinline__ void KeyV(const Ctx& cx, const SmatCudaDims& d, int b, int h, int64_t c0,
+                                     int ce, int J, float* __restrict__ v_bar) {
+  float acc[8][4];
+  cuda_detail::ZeroAcc(acc);
+  for (int I = J; I < cx.nb; ++I) {
+    float sc[8][4];
+    Scores(cx, kOffPsi + J * kHalf, kOffPhi + I * kHalf, sc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tl = 8 * j + 2 * cx.tq + (e & 1);
+        const float x = sc[j][e] * cx.gs[64 * I + tl];
+        sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
+      }
+    TileProducts<kP>(cx, sc, kOffDo + I * kHalf, acc);
+  }
+  SideProducts<kP, 1>(cx, kOffPsi + J * kHalf, acc);
+  StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, v_bar);
+}
+
+// The causal sum of phi_bar's rows of 64-token block I: over key blocks
+// J <= I, X[t, s] = (gbar_t . vbar_s) times psi_s.
+template <int kP>
+__device__ __forceinline__ void QuerySum(const Ctx& cx, int I, float (&acc)[8][4]) {
+  float gm[2], gc[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int t = 64 * I + 16 * cx.wi + cx.g + 8 * hr;
+    gm[hr] = cx.gs[t];
+    gc[hr] = cx.gcol[t];
+  }
+  cuda_detail::ZeroAcc(acc);
+  for (int J = 0; J <= I; ++J) {
+    float sc[8][4];
+    Scores(cx, kOffDo + I * kHalf, kOffV + J * kHalf, sc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int sl = 8 * j + 2 * cx.tq + (e & 1);
+        const float x = fmaf(gm[e >> 1], sc[j][e], gc[e >> 1]);
+        sc[j][e] = I == J && sl > 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
+      }
+    TileProducts<kP>(cx, sc, kOffPsi + J * kHalf, acc);
+  }
+}
+
+// grid ChunkGrid(d), kThreads threads, kSmemBytes<kP> of shared memory.
+template <int kP>
+__global__ void __launch_bounds__(kThreads, 2)
+    ChunkBackwardWgmmaKernel(SmatCudaDims d, const __nv_bfloat16* __restrict__ phi,
+                             const __nv_bfloat16* __restrict__ psi,
+                             const __nv_bfloat16* __restrict__ v,
+                             const __nv_bfloat16* __restrict__ d_o, const float* __restrict__ den,
+                             const float* __restrict__ gbar, const float* __restrict__ gden,
+                             const float* __restrict__ S_in, const float* __restrict__ D_bar,
+                             SmatDBarCarry dc, float* __restrict__ phi_bar,
+                             float* __restrict__ psi_bar, float* __restrict__ v_bar) {
+  extern __shared__ float4 smem4[];
+  char* sm = reinterpret_cast<char*>(smem4);
+  uint32_t sa = SmemAddr(sm);
+  {
+    const uint32_t pad = ((sa + 1023u) & ~1023u) - sa;
+    sm += pad;
+    sa += pad;
+  }
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const cuda_detail::ChunkBlock blk(d);
+  const int64_t k = blk.k;
+  const int b = blk.b, h = blk.h;
+  const int64_t c0 = k * d.chunk;
+  const int ce = static_cast<int>(cuda_detail::Min64(d.chunk, d.L - c0));  // tokens held
+  const int64_t crow = ChunkRow(d, b, k, h);
+  constexpr int64_t kMat = int64_t{kW} * kP1;
+
+  // ---- staging ----
+  const int64_t tok = TokenRow(d, b, c0, h), stride = static_cast<int64_t>(d.H) * kW;
+  walk_wgmma::StageTileRows<kC, kThreads>(phi + tok * kW, stride, ce, sa + kOffPhi, sm + kOffPhi);
+  walk_wgmma::StageTileRows<kC, kThreads>(psi + tok * kW, stride, ce, sa + kOffPsi, sm + kOffPsi);
+  walk_wgmma::StageTileRows<kC, kThreads>(v + tok * kW, stride, ce, sa + kOffV, sm + kOffV);
+  walk_wgmma::StageTileRows<kC, kThreads>(d_o + tok * kW, stride, ce, sa + kOffDo, sm + kOffDo);
+  mma_tiles::CpAsyncCommit();
+  float* const fl = reinterpret_cast<float*>(sm + kOffFloats<kP>);
+  float* const gs = fl;
+  float* const gcol = fl + kC;
+  float* const scol = fl + 2 * kC;
+  float* const dcol = fl + 2 * kC + kW;
+  if (tid < kC) {
+    const int64_t row = tok + static_cast<int64_t>(tid) * d.H;
+    const bool in = tid < ce;
+    gs[tid] = in ? 1.f / __ldg(&den[row]) : 0.f;
+    gcol[tid] = in ? __ldg(gden != nullptr ? &gden[row] : &gbar[row * kP1 + kW]) : 0.f;
+  } else if (tid < kC + kW) {
+    scol[tid - kC] = __ldg(&S_in[crow * kMat + (tid - kC) * kP1 + kW]);
+  }
+  __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(sm + kOffPlanes);
+  {
+    // D_bar = Dk + dscale Dc where it comes in two pieces (SmatDBarCarry).
+    const float* Dc = nullptr;
+    float dscale = 1.f;
+    if (dc.carry != nullptr) {
+      const int runs = dc.runs.seg_d + dc.runs.seg_r;
+      Dc = dc.carry +
+           (static_cast<int64_t>(b * d.H + h) * runs + cuda_detail::RunOf(dc.runs, k)) * kMat;
+      if (dc.scale != nullptr) dscale = __ldg(&dc.scale[crow]);
+    }
+    StagePlanes<kP>(D_bar + crow * kMat, Dc, dscale, planes, dcol);
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  wgmma::FenceProxyAsync();
+  __syncthreads();
+
+  const int lane = tid & 31;
+  const Ctx cx{wgmma::DescBase(sa), gs,        gcol,     scol,          dcol,
+               (tid >> 5) & 3,      lane >> 2, lane & 3, (ce + 63) >> 6};
+  // The key rows: warpgroup 0 psi_bar's first tile and v_bar's second,
+  // warpgroup 1 v_bar's first and psi_bar's second.
+  if (wg == 0) {
+    KeyPsi<kP>(cx, d, b, h, c0, ce, 0, psi_bar);
+    if (cx.nb > 1) KeyV<kP>(cx, d, b, h, c0, ce, 1, v_bar);
+  } else {
+    KeyV<kP>(cx, d, b, h, c0, ce, 0, v_bar);
+    if (cx.nb > 1) KeyPsi<kP>(cx, d, b, h, c0, ce, 1, psi_bar);
+  }
+  // S_in's lines on their way to L2 while the query sums run.
+  if (tid < (kW * kP1 + 31) / 32) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(S_in + crow * kMat + 32 * tid));
+  }
+  const int I = wg;
+  const bool query = I < cx.nb;
+  float acc[8][4];
+  if (query) QuerySum<kP>(cx, I, acc);
+  __syncthreads();  // every warpgroup done with D_bar's planes
+  StagePlanes<kP>(S_in + crow * kMat, nullptr, 1.f, planes, nullptr);
+  wgmma::FenceProxyAsync();
+  __syncthreads();
+  if (query) {
+    // phi_bar_t += S_in gbar_t: (S_in d_o_t) / den_t + gbar_t[dv] S_in[:, dv].
+    float sd[8][4];
+    cuda_detail::ZeroAcc(sd);
+    SideProducts<kP, 0>(cx, kOffDo + I * kHalf, sd);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = 64 * I + 16 * cx.wi + cx.g + 8 * hr;
+      const float gm = gs[t], gc = gcol[t];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int n = 8 * j + 2 * cx.tq + e1, e = 2 * hr + e1;
+          acc[j][e] += fmaf(gc, scol[n], gm * sd[j][e]);
+        }
+    }
+    StoreTile(cx, d, b, h, c0, ce, 64 * I, acc, phi_bar);
+  }
+}
+
+}  // namespace
+
+bool SmatChunkBackwardOnWgmma() {
+  const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
+  if (env != nullptr && std::string(env) == "mma") return false;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+cudaError_t LaunchChunkBackwardWgmma(const SmatCudaDims& d, const void* phi, const void* psi,
+                                     const void* v, const float* S_in, const float* gbar,
+                                     const float* D_bar, float* phi_bar, float* psi_bar,
+                                     float* v_bar, const SmatDBarCarry& carry,
+                                     const SmatGbarFactors& factors, int parts,
+                                     cudaStream_t stream) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  auto bf = [](const void* x) { return static_cast<const __nv_bfloat16*>(x); };
+  return mma_tiles::WithSplitParts(parts, [&](auto kp) {
+    constexpr int kP = decltype(kp)::value;
+    auto kernel = ChunkBackwardWgmmaKernel<kP>;
+    cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kSmemBytes<kP>);
+    if (err != cudaSuccess) return err;
+    kernel<<<cuda_detail::ChunkGrid(d), kThreads, kSmemBytes<kP>, stream>>>(
+        d, bf(phi), bf(psi), bf(v), bf(factors.d_o), factors.den, gbar, factors.gden, S_in, D_bar,
+        carry, phi_bar, psi_bar, v_bar);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace smat
