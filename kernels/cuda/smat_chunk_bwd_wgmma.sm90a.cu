@@ -115,61 +115,69 @@ struct Ctx {
   int wi, g, tq, nb;
 };
 
-// The causal product of one 64 x 64 score tile sc (waited for) into acc:
-// sc split into kP bf16 parts (A from registers) times the 64 rows at shared
-// offset b_off (MN-major: the rows are the reduction), waited for.
-template <int kP>
-__device__ __forceinline__ void TileProducts(const Ctx& cx, float (&sc)[8][4], uint32_t b_off,
-                                             float (&acc)[8][4]) {
-  uint32_t xa[4][kP][4];
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]), xa[kk]);
-  }
-  wgmma::Fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const uint64_t desc = cx.db.At(b_off + 16 * kk * wgmma::kRowBytes);
-#pragma unroll
-    for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], desc);
-  }
-  wgmma::Commit();
-  wgmma::Wait<0>();
-  wgmma::FenceOperands(acc);
-}
-
-// sc = (rows at a_off) (rows at b_off)^T, both K-major 64-row tiles: the
-// exact bf16 scores, waited for.
-__device__ __forceinline__ void Scores(const Ctx& cx, uint32_t a_off, uint32_t b_off,
-                                       float (&sc)[8][4]) {
-  wgmma::Fence();
+// Issues sc = (rows at a_off) (rows at b_off)^T, both K-major 64-row tiles:
+// the exact bf16 scores (the caller fences and commits).
+__device__ __forceinline__ void IssueScores(const Ctx& cx, uint32_t a_off, uint32_t b_off,
+                                            float (&sc)[8][4]) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     wgmma::MmaSS<0, 0>(sc, cx.db.At(a_off + 32 * ks), cx.db.At(b_off + 32 * ks), ks > 0);
   }
-  wgmma::Commit();
-  wgmma::Wait<0>();
-  wgmma::FenceOperands(sc);
 }
 
-// acc += (rows at a_off, K-major) times the kP planes, K-major (kMn = 0:
-// B(k, n) = M[n][k]) or MN-major (kMn = 1: B(k, n) = M[k][n]), the smallest
-// part first, waited for.
-template <int kP, int kMn>
-__device__ __forceinline__ void SideProducts(const Ctx& cx, uint32_t a_off, float (&acc)[8][4]) {
-  wgmma::Fence();
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    const uint64_t da = cx.db.At(a_off + 32 * ks);
-#pragma unroll
-    for (int q = kP - 1; q >= 0; --q) {
-      wgmma::MmaSS<0, kMn>(acc, da,
-                           cx.db.At(kOffPlanes + q * kPlaneBytes + (kMn ? 2048 * ks : 32 * ks)));
-    }
-  }
+__device__ __forceinline__ void WaitAll(float (&acc)[8][4], float (&sc)[8][4]) {
   wgmma::Commit();
   wgmma::Wait<0>();
   wgmma::FenceOperands(acc);
+  wgmma::FenceOperands(sc);
+}
+
+// One 64-row output tile as a chain of asynchronous groups, each waited for
+// once: acc = the side term (rows at side_a, K-major, times the kP planes,
+// K-major (kMn = 0: B(k, n) = M[n][k]) or MN-major (kMn = 1: B(k, n) =
+// M[k][n]), the smallest part first) issued with the first block's scores;
+// init(acc) once they are in; then for each block u of the other side, from
+// `first` to `last`: fix(u, sc) (scaling and mask, in fp32), the split into
+// kP bf16 parts and their products (A from registers) with the 64 rows at
+// prod_b + u kHalf (MN-major), issued with the next block's scores (the split
+// parts hold what the products read, so sc takes the next scores at once).
+// Scores: the rows at score_a times those at score_b + u kHalf.
+template <int kP, int kMn, class Init, class Fix>
+__device__ __forceinline__ void TileChain(const Ctx& cx, uint32_t side_a, uint32_t score_a,
+                                          uint32_t score_b, uint32_t prod_b, int first, int last,
+                                          float (&acc)[8][4], Init init, Fix fix) {
+  float sc[8][4];
+  wgmma::Fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const uint64_t da = cx.db.At(side_a + 32 * ks);
+#pragma unroll
+    for (int q = kP - 1; q >= 0; --q) {
+      wgmma::MmaSS<0, kMn>(acc, da,
+                           cx.db.At(kOffPlanes + q * kPlaneBytes + (kMn ? 2048 * ks : 32 * ks)),
+                           ks > 0 || q < kP - 1);
+    }
+  }
+  IssueScores(cx, score_a, score_b + first * kHalf, sc);
+  WaitAll(acc, sc);
+  init(acc);
+  for (int u = first; u <= last; ++u) {
+    fix(u, sc);
+    uint32_t xa[4][kP][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]), xa[kk]);
+    }
+    wgmma::Fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t desc = cx.db.At(prod_b + u * kHalf + 16 * kk * wgmma::kRowBytes);
+#pragma unroll
+      for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], desc);
+    }
+    if (u < last) IssueScores(cx, score_a, score_b + (u + 1) * kHalf, sc);
+    WaitAll(acc, sc);
+  }
 }
 
 // Rows m0 + (the thread's two rows) of out (token rows of kW floats), those
@@ -189,62 +197,61 @@ __device__ __forceinline__ void StoreTile(const Ctx& cx, const SmatCudaDims& d, 
   }
 }
 
-// psi_bar rows of 64-token block J: sum over query blocks I >= J of
-// X^T[s, t] = (vbar_s . gbar_t) phi_t, then D_bar vbar_s.
+// psi_bar rows of 64-token block J: D_bar vbar_s (+ D_bar[:, dv]), then over
+// query blocks I >= J, X^T[s, t] = (vbar_s . gbar_t) times phi_t.
 template <int kP>
 __device__ __forceinline__ void KeyPsi(const Ctx& cx, const SmatCudaDims& d, int b, int h,
                                        int64_t c0, int ce, int J, float* __restrict__ psi_bar) {
   float acc[8][4];
-  cuda_detail::ZeroAcc(acc);
-  for (int I = J; I < cx.nb; ++I) {
-    float sc[8][4];
-    Scores(cx, kOffV + J * kHalf, kOffDo + I * kHalf, sc);
+  TileChain<kP, 0>(
+      cx, kOffV + J * kHalf, kOffV + J * kHalf, kOffDo, kOffPhi, J, cx.nb - 1, acc,
+      [&](float(&a)[8][4]) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tl = 8 * j + 2 * cx.tq + (e & 1), t = 64 * I + tl;
-        const float x = fmaf(cx.gs[t], sc[j][e], cx.gcol[t]);
-        sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
-      }
-    TileProducts<kP>(cx, sc, kOffPhi + I * kHalf, acc);
-  }
-  SideProducts<kP, 0>(cx, kOffV + J * kHalf, acc);
+          for (int e = 0; e < 4; ++e) a[j][e] += cx.dcol[8 * j + 2 * cx.tq + (e & 1)];
+      },
+      [&](int I, float(&sc)[8][4]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] += cx.dcol[8 * j + 2 * cx.tq + (e & 1)];
+          for (int e = 0; e < 4; ++e) {
+            const int tl = 8 * j + 2 * cx.tq + (e & 1), t = 64 * I + tl;
+            const float x = fmaf(cx.gs[t], sc[j][e], cx.gcol[t]);
+            sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
+          }
+      });
   StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, psi_bar);
 }
 
-// v_bar rows of 64-token block J: sum over query blocks I >= J of
-// X^T[s, t] = (psi_s . phi_t) / den_t times d_o_t, then D_bar^T psi_s.
+// v_bar rows of 64-token block J: D_bar^T psi_s, then over query blocks
+// I >= J, X^T[s, t] = (psi_s . phi_t) / den_t times d_o_t.
 template <int kP>
 __device__ __forceinline__ void KeyV(const Ctx& cx, const SmatCudaDims& d, int b, int h, int64_t c0,
                                      int ce, int J, float* __restrict__ v_bar) {
   float acc[8][4];
-  cuda_detail::ZeroAcc(acc);
-  for (int I = J; I < cx.nb; ++I) {
-    float sc[8][4];
-    Scores(cx, kOffPsi + J * kHalf, kOffPhi + I * kHalf, sc);
+  TileChain<kP, 1>(
+      cx, kOffPsi + J * kHalf, kOffPsi + J * kHalf, kOffPhi, kOffDo, J, cx.nb - 1, acc,
+      [](float(&)[8][4]) {},
+      [&](int I, float(&sc)[8][4]) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tl = 8 * j + 2 * cx.tq + (e & 1);
-        const float x = sc[j][e] * cx.gs[64 * I + tl];
-        sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
-      }
-    TileProducts<kP>(cx, sc, kOffDo + I * kHalf, acc);
-  }
-  SideProducts<kP, 1>(cx, kOffPsi + J * kHalf, acc);
+          for (int e = 0; e < 4; ++e) {
+            const int tl = 8 * j + 2 * cx.tq + (e & 1);
+            const float x = sc[j][e] * cx.gs[64 * I + tl];
+            sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
+          }
+      });
   StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, v_bar);
 }
 
-// The causal sum of phi_bar's rows of 64-token block I: over key blocks
-// J <= I, X[t, s] = (gbar_t . vbar_s) times psi_s.
+// phi_bar rows of 64-token block I: S_in gbar_t ((S_in d_o_t) / den_t +
+// gbar_t[dv] S_in[:, dv]), then over key blocks J <= I, X[t, s] =
+// (gbar_t . vbar_s) times psi_s. S_in's planes are staged.
 template <int kP>
-__device__ __forceinline__ void QuerySum(const Ctx& cx, int I, float (&acc)[8][4]) {
+__device__ __forceinline__ void QueryRows(const Ctx& cx, const SmatCudaDims& d, int b, int h,
+                                          int64_t c0, int ce, int I, float* __restrict__ phi_bar) {
   float gm[2], gc[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -252,20 +259,28 @@ __device__ __forceinline__ void QuerySum(const Ctx& cx, int I, float (&acc)[8][4
     gm[hr] = cx.gs[t];
     gc[hr] = cx.gcol[t];
   }
-  cuda_detail::ZeroAcc(acc);
-  for (int J = 0; J <= I; ++J) {
-    float sc[8][4];
-    Scores(cx, kOffDo + I * kHalf, kOffV + J * kHalf, sc);
+  float acc[8][4];
+  TileChain<kP, 0>(
+      cx, kOffDo + I * kHalf, kOffDo + I * kHalf, kOffV, kOffPsi, 0, I, acc,
+      [&](float(&a)[8][4]) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int sl = 8 * j + 2 * cx.tq + (e & 1);
-        const float x = fmaf(gm[e >> 1], sc[j][e], gc[e >> 1]);
-        sc[j][e] = I == J && sl > 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
-      }
-    TileProducts<kP>(cx, sc, kOffPsi + J * kHalf, acc);
-  }
+          for (int e = 0; e < 4; ++e) {
+            a[j][e] = fmaf(gc[e >> 1], cx.scol[8 * j + 2 * cx.tq + (e & 1)], gm[e >> 1] * a[j][e]);
+          }
+      },
+      [&](int J, float(&sc)[8][4]) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int sl = 8 * j + 2 * cx.tq + (e & 1);
+            const float x = fmaf(gm[e >> 1], sc[j][e], gc[e >> 1]);
+            sc[j][e] = I == J && sl > 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
+          }
+      });
+  StoreTile(cx, d, b, h, c0, ce, 64 * I, acc, phi_bar);
 }
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes<kP> of shared memory.
@@ -333,6 +348,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   wgmma::FenceProxyAsync();
   __syncthreads();
 
+  // S_in's lines on their way to L2 while the key rows run.
+  if (tid < (kW * kP1 + 31) / 32) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(S_in + crow * kMat + 32 * tid));
+  }
   const int lane = tid & 31;
   const Ctx cx{wgmma::DescBase(sa), gs,        gcol,     scol,          dcol,
                (tid >> 5) & 3,      lane >> 2, lane & 3, (ce + 63) >> 6};
@@ -345,37 +364,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     KeyV<kP>(cx, d, b, h, c0, ce, 0, v_bar);
     if (cx.nb > 1) KeyPsi<kP>(cx, d, b, h, c0, ce, 1, psi_bar);
   }
-  // S_in's lines on their way to L2 while the query sums run.
-  if (tid < (kW * kP1 + 31) / 32) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(S_in + crow * kMat + 32 * tid));
-  }
-  const int I = wg;
-  const bool query = I < cx.nb;
-  float acc[8][4];
-  if (query) QuerySum<kP>(cx, I, acc);
+  // The query tiles after S_in's planes replace D_bar's.
   __syncthreads();  // every warpgroup done with D_bar's planes
   StagePlanes<kP>(S_in + crow * kMat, nullptr, 1.f, planes, nullptr);
   wgmma::FenceProxyAsync();
   __syncthreads();
-  if (query) {
-    // phi_bar_t += S_in gbar_t: (S_in d_o_t) / den_t + gbar_t[dv] S_in[:, dv].
-    float sd[8][4];
-    cuda_detail::ZeroAcc(sd);
-    SideProducts<kP, 0>(cx, kOffDo + I * kHalf, sd);
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int t = 64 * I + 16 * cx.wi + cx.g + 8 * hr;
-      const float gm = gs[t], gc = gcol[t];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          const int n = 8 * j + 2 * cx.tq + e1, e = 2 * hr + e1;
-          acc[j][e] += fmaf(gc, scol[n], gm * sd[j][e]);
-        }
-    }
-    StoreTile(cx, d, b, h, c0, ce, 64 * I, acc, phi_bar);
-  }
+  if (wg < cx.nb) QueryRows<kP>(cx, d, b, h, c0, ce, wg, phi_bar);
 }
 
 }  // namespace
