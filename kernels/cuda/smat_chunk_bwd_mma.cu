@@ -653,8 +653,8 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(
 #if defined(SMAT_HAVE_SM90A)
   if (by_factors && assign && lam == nullptr && d.r == kW && d.dv == kW && d.chunk <= kC &&
       fast_tiles::Aligned16(phi) && fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v) &&
-      fast_tiles::Aligned16(gf.d_o) && Aligned8(phi_bar) && Aligned8(psi_bar) && Aligned8(v_bar) &&
-      SmatChunkBackwardOnWgmma()) {
+      fast_tiles::Aligned16(gf.d_o) && fast_tiles::Aligned16(S_in) && Aligned8(phi_bar) &&
+      Aligned8(psi_bar) && Aligned8(v_bar) && SmatChunkBackwardOnWgmma()) {
     return LaunchChunkBackwardWgmma(d, phi, psi, v, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc,
                                     gf, SmatBf16SplitParts(), stream);
   }

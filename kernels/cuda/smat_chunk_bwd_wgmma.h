@@ -17,7 +17,8 @@ bool SmatChunkBackwardOnWgmma();
 
 // B7 as LaunchSmatChunkOutputsBackwardFused with assign and `factors`, for
 // lam == nullptr, r = dv = 64, c <= 128, bf16 rows (phi, psi, v, d_o) 16-byte
-// aligned and the outputs 8-byte aligned; `parts` as SmatBf16SplitParts.
+// aligned, S_in 16-byte aligned and the outputs 8-byte aligned; `parts` as
+// SmatBf16SplitParts.
 cudaError_t LaunchChunkBackwardWgmma(const SmatCudaDims& d, const void* phi, const void* psi,
                                      const void* v, const float* S_in, const float* gbar,
                                      const float* D_bar, float* phi_bar, float* psi_bar,

@@ -64,14 +64,21 @@ constexpr int kOffPlanes = 4 * kTile;
 // scol = S_in[:, dv] [kW], dcol = D_bar[:, dv] [kW].
 template <int kP>
 constexpr int kOffFloats = kOffPlanes + kP* kPlaneBytes;
+// Then S_in's rows as they are (kW x kP1 fp32), copied in while the key rows
+// run, for the query tiles' planes.
 template <int kP>
-constexpr int kSmemBytes = kOffFloats<kP> + (2 * kC + 2 * kW) * 4 + 1024;  // + room to align
+constexpr int kOffSin = kOffFloats<kP> + (2 * kC + 2 * kW) * 4;
+constexpr int kSinBytes = kW * kP1 * 4;
+static_assert(kSinBytes % 16 == 0, "S_in's rows in 16-byte pieces");
+template <int kP>
+constexpr int kSmemBytes = kOffSin<kP> + kSinBytes + 1024;  // + room to align
 static_assert(2 * (kSmemBytes<3> + 1024) <= 228 * 1024, "two blocks per SM");
 
-// The matrix M (kW x kP1 fp32, row-major; with Mc: M + scale Mc) into kP
-// planes (rows m, columns n < kW, swizzled) and its column kW into col; the
-// block's threads, a row's column pairs over four of them.
-template <int kP>
+// The matrix M (kW x kP1 fp32, row-major, in global memory, or kShared:
+// in shared memory; with Mc: M + scale Mc) into kP planes (rows m, columns
+// n < kW, swizzled) and its column kW into col; the block's threads, a row's
+// column pairs over four of them.
+template <int kP, bool kShared = false>
 __device__ __forceinline__ void StagePlanes(const float* __restrict__ M,
                                             const float* __restrict__ Mc, float scale,
                                             __nv_bfloat16* planes, float* col) {
@@ -83,7 +90,10 @@ __device__ __forceinline__ void StagePlanes(const float* __restrict__ M,
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) x[j][c] = __ldg(&Mrow[2 * (pr + 4 * j) + c]);
+    for (int c = 0; c < 2; ++c) {
+      const float* at = &Mrow[2 * (pr + 4 * j) + c];
+      x[j][c] = kShared ? *at : __ldg(at);
+    }
   if (Crow != nullptr) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -318,6 +328,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   walk_wgmma::StageTileRows<kC, kThreads>(v + tok * kW, stride, ce, sa + kOffV, sm + kOffV);
   walk_wgmma::StageTileRows<kC, kThreads>(d_o + tok * kW, stride, ce, sa + kOffDo, sm + kOffDo);
   mma_tiles::CpAsyncCommit();
+  {
+    // S_in's rows, a group of their own: waited for before the query tiles.
+    const char* src = reinterpret_cast<const char*>(S_in + crow * kMat);
+    for (int e = tid; e < kSinBytes / 16; e += kThreads) {
+      mma_tiles::CpAsync16(sa + kOffSin<kP> + 16 * e, src + 16 * e);
+    }
+    mma_tiles::CpAsyncCommit();
+  }
   float* const fl = reinterpret_cast<float*>(sm + kOffFloats<kP>);
   float* const gs = fl;
   float* const gcol = fl + kC;
@@ -344,14 +362,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     StagePlanes<kP>(D_bar + crow * kMat, Dc, dscale, planes, dcol);
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // the tiles, not S_in
   wgmma::FenceProxyAsync();
   __syncthreads();
 
-  // S_in's lines on their way to L2 while the key rows run.
-  if (tid < (kW * kP1 + 31) / 32) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(S_in + crow * kMat + 32 * tid));
-  }
   const int lane = tid & 31;
   const Ctx cx{wgmma::DescBase(sa), gs,        gcol,     scol,          dcol,
                (tid >> 5) & 3,      lane >> 2, lane & 3, (ce + 63) >> 6};
@@ -365,8 +379,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (cx.nb > 1) KeyPsi<kP>(cx, d, b, h, c0, ce, 1, psi_bar);
   }
   // The query tiles after S_in's planes replace D_bar's.
-  __syncthreads();  // every warpgroup done with D_bar's planes
-  StagePlanes<kP>(S_in + crow * kMat, nullptr, 1.f, planes, nullptr);
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();  // S_in in; every warpgroup done with D_bar's planes
+  StagePlanes<kP, true>(reinterpret_cast<const float*>(sm + kOffSin<kP>), nullptr, 1.f, planes,
+                        nullptr);
   wgmma::FenceProxyAsync();
   __syncthreads();
   if (wg < cx.nb) QueryRows<kP>(cx, d, b, h, c0, ce, wg, phi_bar);
