@@ -11,7 +11,10 @@
 // for bf16 inputs (the default where SmatUseMmaChunkTiles says so, and with
 // SMAT_CUDA_CHUNK_TILES=mma); fp32 inputs keep the three tiles of
 // smat_chunk_mma.cu, and SMAT_CUDA_CHUNK_TILES=ffma the FFMA tiles of
-// smat_chunk_fast.cu.
+// smat_chunk_fast.cu. On devices of compute capability 9.0, ChunkBackward's
+// case (ungated, r = dv = 64, gbar's factors, outputs written) runs on
+// warpgroup MMAs instead (smat_chunk_bwd_wgmma.sm90a.cu) unless
+// SMAT_CUDA_CHUNK_TILES=mma.
 //
 // Staging, once per block: phi, psi, v as bf16 token rows (cp.async, 16 bytes
 // at a time where rows allow it), and gbar[:, 0:dv] split into three bf16
