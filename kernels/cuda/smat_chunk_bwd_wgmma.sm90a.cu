@@ -57,7 +57,6 @@ namespace {
 
 using cuda_detail::ChunkRow;
 using cuda_detail::TokenRow;
-using mma_tiles::SmemAddr;
 using walk_wgmma::kP1;
 using walk_wgmma::kPlaneBytes;
 using walk_wgmma::kW;
@@ -182,18 +181,7 @@ __device__ __forceinline__ void TileChain(const Ctx& cx, uint32_t side_a, uint32
   init(acc);
   for (int u = first; u <= last; ++u) {
     fix(u, sc);
-    uint32_t xa[4][kP][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]), xa[kk]);
-    }
-    wgmma::Fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t desc = cx.db.At(prod_b + u * kHalf + 16 * kk * wgmma::kRowBytes);
-#pragma unroll
-      for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], desc);
-    }
+    walk_wgmma::IssueSplitProducts<kP>(sc, cx.db, prod_b + u * kHalf, acc);
     if (u < last) IssueScores(cx, score_a, score_b + (u + 1) * kHalf, sc);
     WaitAll(acc, sc);
   }
@@ -313,14 +301,9 @@ __global__ void __launch_bounds__(kThreads, 2)
                              const float* __restrict__ S_in, const float* __restrict__ D_bar,
                              SmatDBarCarry dc, float* __restrict__ phi_bar,
                              float* __restrict__ psi_bar, float* __restrict__ v_bar) {
-  extern __shared__ float4 smem4[];
-  char* sm = reinterpret_cast<char*>(smem4);
-  uint32_t sa = SmemAddr(sm);
-  {
-    const uint32_t pad = ((sa + 1023u) & ~1023u) - sa;
-    sm += pad;
-    sa += pad;
-  }
+  char* sm;
+  uint32_t sa;
+  wgmma::DynamicSmem1024(&sm, &sa);
   const int tid = threadIdx.x, wg = tid >> 7;
   const cuda_detail::ChunkBlock blk(d);
   const int64_t k = blk.k;

@@ -1,7 +1,8 @@
 // The pieces the walks on warpgroup MMAs share (smat_chunk_walk_wgmma.sm90a.cu,
 // two warpgroups per block; smat_chunk_walk_wgmma64.sm90a.cu, one): the
 // widths, the state's planes and the products of a warpgroup's 64 query rows
-// on them. A warpgroup's thread holds rows 16 wi + g and 16 wi + g + 8 of its
+// on them (B7 on warpgroup MMAs, smat_chunk_bwd_wgmma.sm90a.cu, takes some
+// too). A warpgroup's thread holds rows 16 wi + g and 16 wi + g + 8 of its
 // 64 (wi its warp in the warpgroup, g = lane / 4, tq = lane % 4), as the
 // m64n64 accumulators lay them out. Built for sm_90a only.
 #pragma once
@@ -169,6 +170,28 @@ __device__ __forceinline__ void StateTermProducts(float (&acc)[8][4], const wgmm
   }
 }
 
+// Issues acc += the kP bf16 parts of the 64 x 64 tile sc (A from registers,
+// split here; the smallest part first) times the 64 rows at shared offset
+// b_off (MN-major: the rows are the reduction). The caller commits and waits;
+// the parts' registers are the products' until then.
+template <int kP>
+__device__ __forceinline__ void IssueSplitProducts(const float (&sc)[8][4],
+                                                   const wgmma::DescBase& db, uint32_t b_off,
+                                                   float (&acc)[8][4]) {
+  uint32_t xa[4][kP][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]), xa[kk]);
+  }
+  wgmma::Fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t desc = db.At(b_off + 16 * kk * wgmma::kRowBytes);
+#pragma unroll
+    for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], desc);
+  }
+}
+
 // A key block's scores sc (waited for) into the rows: masked above the
 // diagonal where `diagonal`, summed into ones (column dv), split into kP
 // bf16 parts and multiplied by the block's 64 vbar rows at shared offset
@@ -189,18 +212,7 @@ __device__ __forceinline__ void CausalProducts(float (&sc)[8][4], bool diagonal,
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) ones[e >> 1] += sc[j][e];
-  uint32_t xa[4][kP][4];
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    mma_tiles::SplitTileParts<kP>(*reinterpret_cast<const float(*)[2][4]>(&sc[2 * kk]), xa[kk]);
-  }
-  wgmma::Fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const uint64_t dv_desc = db.At(v_off + 16 * kk * wgmma::kRowBytes);
-#pragma unroll
-    for (int q = kP - 1; q >= 0; --q) wgmma::MmaRS<1>(acc, xa[kk][q], dv_desc);
-  }
+  IssueSplitProducts<kP>(sc, db, v_off, acc);
   wgmma::Commit();
   wgmma::Wait<0>();
   wgmma::FenceOperands(acc);

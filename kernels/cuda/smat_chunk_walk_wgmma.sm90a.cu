@@ -63,7 +63,6 @@ using chunk_fwd_mma::Outputs;
 using cuda_detail::ChunkRow;
 using cuda_detail::TokenRow;
 using mma_tiles::CpAsync16;
-using mma_tiles::SmemAddr;
 using namespace walk_wgmma;  // NOLINT: the walks' shared pieces
 
 constexpr int kThreads = 256;
@@ -107,14 +106,9 @@ __global__ void __launch_bounds__(kThreads, 2)
                          const __nv_bfloat16* __restrict__ psi, const __nv_bfloat16* __restrict__ v,
                          const float* __restrict__ starts, float* __restrict__ S_in, Outputs out,
                          int seg0) {
-  extern __shared__ float4 smem4[];
-  char* sm = reinterpret_cast<char*>(smem4);
-  uint32_t sa = SmemAddr(sm);
-  {
-    const uint32_t pad = ((sa + 1023u) & ~1023u) - sa;
-    sm += pad;
-    sa += pad;
-  }
+  char* sm;
+  uint32_t sa;
+  wgmma::DynamicSmem1024(&sm, &sa);
   const int tid = threadIdx.x, w = tid >> 5, wg = w >> 2, wi = w & 3;
   const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
   const int bh = blockIdx.x, s = seg0 + static_cast<int>(blockIdx.y);

@@ -25,7 +25,6 @@ using chunk_fwd_mma::Outputs;
 using cuda_detail::ChunkRow;
 using cuda_detail::TokenRow;
 using mma_tiles::CpAsync16;
-using mma_tiles::SmemAddr;
 
 // ChunkWalkWgmma64Kernel walks the segments of ChunkWalkWgmmaKernel with one
 // warpgroup per block (128 threads, 50 KB of shared memory: four blocks per
@@ -66,14 +65,9 @@ __global__ void __launch_bounds__(kThreads64, 4)
                            const __nv_bfloat16* __restrict__ psi,
                            const __nv_bfloat16* __restrict__ v, const float* __restrict__ starts,
                            float* __restrict__ S_in, Outputs out, int seg0) {
-  extern __shared__ float4 smem4[];
-  char* sm = reinterpret_cast<char*>(smem4);
-  uint32_t sa = SmemAddr(sm);
-  {
-    const uint32_t pad = ((sa + 1023u) & ~1023u) - sa;
-    sm += pad;
-    sa += pad;
-  }
+  char* sm;
+  uint32_t sa;
+  wgmma::DynamicSmem1024(&sm, &sa);
   const int tid = threadIdx.x, wi = tid >> 5;
   const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
   const int bh = blockIdx.x, s = seg0 + static_cast<int>(blockIdx.y);

@@ -45,6 +45,18 @@ __device__ __forceinline__ uint32_t Swz(int t, int c) {
 // Byte offset of element (t, n) (n < 64) in a swizzled tile.
 __device__ __forceinline__ uint32_t SwzElem(int t, int n) { return Swz(t, n >> 3) + 2 * (n & 7); }
 
+// The block's dynamic shared memory from its first 1024-byte boundary, on
+// which the atoms of the swizzled tiles must lie (a kernel asks for 1024
+// bytes more than it uses): the generic pointer and the shared address.
+__device__ __forceinline__ void DynamicSmem1024(char** ptr, uint32_t* addr) {
+  extern __shared__ float4 smem4[];
+  char* sm = reinterpret_cast<char*>(smem4);
+  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(sm));
+  const uint32_t pad = ((sa + 1023u) & ~1023u) - sa;
+  *ptr = sm + pad;
+  *addr = sa + pad;
+}
+
 // Descriptors of 128-byte swizzled operands at byte offsets from one shared
 // address: DescBase(addr).At(offset). 8-row groups lie 1024 bytes apart (the
 // stride byte offset; K-major: along M/N, MN-major: along K); the leading
