@@ -10,21 +10,22 @@
 // serves every other case (gated, other widths, gbar in full, adding to the
 // outputs) and SMAT_CUDA_CHUNK_TILES=mma.
 //
-// Block: two warpgroups (256 threads), two blocks per SM (90.5 KB of shared
+// Block: two warpgroups (256 threads), two blocks per SM (109 KB of shared
 // memory each with three parts). The chunk's phi, psi, v and d_o rows are
-// staged once by cp.async as 128-row swizzled tiles (smat_wgmma.cuh), then
-// D_bar (with its carry) as kP bf16 planes and its column dv in fp32, 1 / den
-// and gbar's column dv per token. Each output is taken in 64-row tiles, m64n64
-// products a warpgroup at a time: per block of 64 tokens on the other side,
-// the score tile (4 products of exact bf16 operands from shared memory), then
-// in registers the fp32 scaling, the causal mask on the diagonal and the split
-// into kP bf16 parts, then the kP x 4 products of the parts (A from registers)
-// with the other side's rows; then the side term from the planes. Warpgroup 0
-// takes psi_bar's first tile and v_bar's second, warpgroup 1 the other two;
-// then each its query tile's causal sum (0 the first, 1 the second), held in
-// registers while S_in's planes replace D_bar's (two block barriers), and its
-// side term S_in gbar_t. Each output element is written once, by one thread,
-// summed in a fixed order: the same inputs give the same bits.
+// staged once by cp.async as 128-row swizzled tiles (smat_wgmma.cuh), S_in's
+// rows as they are (a cp.async group of its own, waited for only before the
+// query tiles), D_bar (with its carry) as kP bf16 planes and its column dv in
+// fp32, 1 / den and gbar's column dv per token. Each output is taken in 64-row
+// tiles, m64n64 products a warpgroup at a time (TileChain): the side term
+// from the planes, then per block of 64 tokens on the other side the score
+// tile (4 products of exact bf16 operands from shared memory), in registers
+// its fp32 scaling, the causal mask on the diagonal and the split into kP
+// bf16 parts, and the kP x 4 products of the parts (A from registers) with
+// the other side's rows. Warpgroup 0 takes psi_bar's first tile and v_bar's
+// second, warpgroup 1 the other two; then S_in's planes replace D_bar's (two
+// block barriers) and each warpgroup takes one query tile (0 the first, 1 the
+// second). Each output element is written once, by one thread, summed in a
+// fixed order: the same inputs give the same bits.
 //
 // Exactness: as the walks on warpgroup MMAs and B7 on mma.sync, bf16 inputs
 // and d_o enter as one exact part, every fp32 operand (the score tiles, S_in,
@@ -151,24 +152,25 @@ __device__ __forceinline__ void WaitAll(float (&acc)[8][4], float (&sc)[8][4]) {
 }
 
 // One 64-row output tile as a chain of asynchronous groups, each waited for
-// once: acc = the side term (rows at side_a, K-major, times the kP planes,
-// K-major (kMn = 0: B(k, n) = M[n][k]) or MN-major (kMn = 1: B(k, n) =
-// M[k][n]), the smallest part first) issued with the first block's scores;
-// init(acc) once they are in; then for each block u of the other side, from
-// `first` to `last`: fix(u, sc) (scaling and mask, in fp32), the split into
-// kP bf16 parts and their products (A from registers) with the 64 rows at
-// prod_b + u kHalf (MN-major), issued with the next block's scores (the split
-// parts hold what the products read, so sc takes the next scores at once).
-// Scores: the rows at score_a times those at score_b + u kHalf.
+// once. `own`: the tile's own 64 rows (K-major), the A operand of its side
+// term and of its scores. First acc = the side term, the own rows times the
+// kP planes, K-major (kMn = 0: B(k, n) = M[n][k]) or MN-major (kMn = 1:
+// B(k, n) = M[k][n]), the smallest part first, issued with the first block's
+// scores; init(acc) once they are in; then for each block u of the other
+// side, from `first` to `last`: fix(u, sc) (scaling and mask, in fp32), the
+// split into kP bf16 parts and their products (A from registers) with the 64
+// rows at prod_b + u kHalf (MN-major), issued with the next block's scores
+// (the split parts hold what the products read, so sc takes the next scores
+// at once). Scores: the own rows times those at score_b + u kHalf.
 template <int kP, int kMn, class Init, class Fix>
-__device__ __forceinline__ void TileChain(const Ctx& cx, uint32_t side_a, uint32_t score_a,
-                                          uint32_t score_b, uint32_t prod_b, int first, int last,
-                                          float (&acc)[8][4], Init init, Fix fix) {
+__device__ __forceinline__ void TileChain(const Ctx& cx, uint32_t own, uint32_t score_b,
+                                          uint32_t prod_b, int first, int last, float (&acc)[8][4],
+                                          Init init, Fix fix) {
   float sc[8][4];
   wgmma::Fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    const uint64_t da = cx.db.At(side_a + 32 * ks);
+    const uint64_t da = cx.db.At(own + 32 * ks);
 #pragma unroll
     for (int q = kP - 1; q >= 0; --q) {
       wgmma::MmaSS<0, kMn>(acc, da,
@@ -176,13 +178,13 @@ __device__ __forceinline__ void TileChain(const Ctx& cx, uint32_t side_a, uint32
                            ks > 0 || q < kP - 1);
     }
   }
-  IssueScores(cx, score_a, score_b + first * kHalf, sc);
+  IssueScores(cx, own, score_b + first * kHalf, sc);
   WaitAll(acc, sc);
   init(acc);
   for (int u = first; u <= last; ++u) {
     fix(u, sc);
     walk_wgmma::IssueSplitProducts<kP>(sc, cx.db, prod_b + u * kHalf, acc);
-    if (u < last) IssueScores(cx, score_a, score_b + (u + 1) * kHalf, sc);
+    if (u < last) IssueScores(cx, own, score_b + (u + 1) * kHalf, sc);
     WaitAll(acc, sc);
   }
 }
@@ -211,7 +213,7 @@ __device__ __forceinline__ void KeyPsi(const Ctx& cx, const SmatCudaDims& d, int
                                        int64_t c0, int ce, int J, float* __restrict__ psi_bar) {
   float acc[8][4];
   TileChain<kP, 0>(
-      cx, kOffV + J * kHalf, kOffV + J * kHalf, kOffDo, kOffPhi, J, cx.nb - 1, acc,
+      cx, kOffV + J * kHalf, kOffDo, kOffPhi, J, cx.nb - 1, acc,
       [&](float(&a)[8][4]) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -238,8 +240,7 @@ __device__ __forceinline__ void KeyV(const Ctx& cx, const SmatCudaDims& d, int b
                                      int ce, int J, float* __restrict__ v_bar) {
   float acc[8][4];
   TileChain<kP, 1>(
-      cx, kOffPsi + J * kHalf, kOffPsi + J * kHalf, kOffPhi, kOffDo, J, cx.nb - 1, acc,
-      [](float(&)[8][4]) {},
+      cx, kOffPsi + J * kHalf, kOffPhi, kOffDo, J, cx.nb - 1, acc, [](float(&)[8][4]) {},
       [&](int I, float(&sc)[8][4]) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -268,7 +269,7 @@ __device__ __forceinline__ void QueryRows(const Ctx& cx, const SmatCudaDims& d, 
   }
   float acc[8][4];
   TileChain<kP, 0>(
-      cx, kOffDo + I * kHalf, kOffDo + I * kHalf, kOffV, kOffPsi, 0, I, acc,
+      cx, kOffDo + I * kHalf, kOffV, kOffPsi, 0, I, acc,
       [&](float(&a)[8][4]) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
