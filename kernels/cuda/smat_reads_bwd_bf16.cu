@@ -29,7 +29,13 @@
 // are split in place into wg's planes (SplitRawRows: the values and parts
 // StageFactorRows gives them, so U_bar keeps its bits). H200, bf16,
 // T = 524288, d = 2, 8 heads (2026-12-02): TypeReadsBackward 0.949-0.960 ->
-// 0.884-0.890 ms; phi_bar within 1.2e-7 of the CPU, as before.
+// 0.884-0.890 ms; phi_bar within 1.2e-7 of the CPU, as before. kRaw's phi_bar
+// adds then leave through shared memory by whole rows (StageScaledRows,
+// AddStagedRows; Nsight Compute had the kernel at 74% of L1 throughput, with
+// 0.55 eligible warps per scheduler): 0.891-0.892 -> 0.856-0.857 ms (2026-12-03,
+// one binary on one host), the same bits. The same four columns a lane for
+// ProfilePoolingBackward's adds by lane pairs swapping halves (no shared
+// memory to spare at three blocks per SM) took it from 0.92 to 3.5 ms: not kept.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -156,6 +162,70 @@ __device__ __forceinline__ void SplitRawRows(const float* s, const float* gcol, 
   }
 }
 
+// kRaw's phi_bar adds through shared memory: a warp's 16 rows of
+// s_t (hi + lo) + gcol_t M[:, dv] (Den::kGScaled's terms) wait in ys
+// ([16][kLdRow] fp32; kLdRow = 8 (mod 32), so the fragments' float2 stores of
+// a half-warp hit distinct banks), then leave a row's 16-byte pieces at a
+// time: each warp access reads and writes two whole rows where the
+// fragments' float2 reached eight rows with 32 bytes each, a quarter of the
+// L1 wavefronts for the same bytes. old + y in that order: StoreRows' bits.
+// vec: width % 4 == 0 and out 16-byte aligned (else StoreRows).
+constexpr int kLdRow = 72;
+static_assert(kLdRow >= kW && kLdRow % 32 == 8 && kLdRow % 4 == 0, "whole rows, conflict-free");
+static_assert(kThreads / 32 * 16 * kLdRow * 4 <= 2 * kTokPlane * 2,
+              "the warps' rows fit two planes");
+
+template <int kN>
+__device__ __forceinline__ void StageScaledRows(const float (&hi)[kN][4], const float (&lo)[kN][4],
+                                                int t0, int j0, int nt, const float* s,
+                                                const float* gcol, const float* mcol, float* ys) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = g + 8 * hr, t = t0 + m;
+    const float wt = t < nt ? s[t] : 0.f, den = t < nt ? gcol[t] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const int n = 8 * (j0 + j) + 2 * tq;
+      float y[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float sum = hi[j][2 * hr + e] + lo[j][2 * hr + e];
+        y[e] = fmaf(den, mcol[n + e < kW ? n + e : 0], __fmul_rn(wt, sum));
+      }
+      *reinterpret_cast<float2*>(&ys[m * kLdRow + n]) = make_float2(y[0], y[1]);
+    }
+  }
+}
+
+// out[rows[t0 + m]][n] += ys[m][n] for the warp's rows t0 + m < nt and
+// columns n < width, 16 bytes a lane: two rows a warp access, every lane's
+// old values loaded before the first add.
+__device__ __forceinline__ void AddStagedRows(const float* ys, int t0, int nt, const int64_t* rows,
+                                              int width, float* __restrict__ out) {
+  const int lane = threadIdx.x & 31, c = 4 * (lane & 15);
+  const int rows_here = min(16, nt - t0);
+  const bool mine = c < width;
+  __syncwarp();
+  float4 old[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int m = 2 * i + (lane >> 4);
+    old[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mine && m < rows_here) {
+      old[i] = *reinterpret_cast<const float4*>(out + rows[t0 + m] * width + c);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int m = 2 * i + (lane >> 4);
+    if (!mine || m >= rows_here) continue;
+    const float4 y = *reinterpret_cast<const float4*>(&ys[m * kLdRow + c]);
+    *reinterpret_cast<float4*>(out + rows[t0 + m] * width + c) =
+        make_float4(old[i].x + y.x, old[i].y + y.y, old[i].z + y.z, old[i].w + y.w);
+  }
+}
+
 template <bool kFull, int kP, bool kDo>
 __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     TypeReadsBackwardKernel(SmatCudaDims d, SmatTokenGroups groups, int segments,
@@ -163,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
                             const __nv_bfloat16* __restrict__ phi, const float* __restrict__ gbar,
                             SmatTokenWeights tw, SmatMatrixLayout out_lay,
                             float* __restrict__ U_bar, float* __restrict__ phi_bar,
-                            SmatGbarFactors gf) {
+                            SmatGbarFactors gf, bool vec) {
   extern __shared__ uint4 smem_u4[];
   char* smem = reinterpret_cast<char*>(smem_u4);
   __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -210,15 +280,24 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
     __syncthreads();
     if constexpr (kRaw) {
       // phi_bar_t += s_t (U d_o_t) + gcol_t U[:, dv], then wg's planes.
+      // With vec the rows wait in wg's second and third planes, free until
+      // SplitRawRows (their pad columns are zeroed again before it).
+      float* ys = reinterpret_cast<float*>(Gs + kTokPlane) + warp * 16 * kLdRow;
       if (16 * warp < nt) {
         for (int j0n = 0; j0n < n_tiles; j0n += 4) {
           float hi[4][4], lo[4][4];
           Product<1, 4, false, 3>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
-          StoreRows<4, Den::kGScaled>(hi, lo, 16 * warp, j0n, nt, rows, s, gcol, mcol, r, false,
-                                      phi_bar);
+          if (vec) {
+            StageScaledRows(hi, lo, 16 * warp, j0n, nt, s, gcol, mcol, ys);
+          } else {
+            StoreRows<4, Den::kGScaled>(hi, lo, 16 * warp, j0n, nt, rows, s, gcol, mcol, r, false,
+                                        phi_bar);
+          }
         }
+        if (vec) AddStagedRows(ys, 16 * warp, nt, rows, r, phi_bar);
       }
-      __syncthreads();  // the first plane's d_o rows are read
+      __syncthreads();  // the first plane's d_o rows are read; ys is done
+      if (vec) mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Gs + kTokPlane, 2, p, zero);
       SplitRawRows(s, gcol, dv, Gs);
       __syncthreads();
     }
@@ -267,6 +346,8 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTok
     return cudaErrorInvalidValue;
   }
   const SmatGbarFactors gf = by_factors ? *factors : SmatGbarFactors();
+  // phi_bar's adds by whole 16-byte pieces of its rows (kRaw: StageScaledRows).
+  const bool vec = d.r % 4 == 0 && Aligned16(phi_bar);
   auto launch = [&](auto parts, auto by_do) {
     constexpr int kP = decltype(parts)::value;
     constexpr bool kDo = decltype(by_do)::value;
@@ -275,9 +356,9 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTok
     const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kFusedSmemBytes<kP>);
     if (err != cudaSuccess) return err;
     const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
-    kernel<<<grid, kThreads, kFusedSmemBytes<kP>, stream>>>(d, groups, segments, U, lay,
-                                                            static_cast<const __nv_bfloat16*>(phi),
-                                                            gbar, w, out_lay, U_bar, phi_bar, gf);
+    kernel<<<grid, kThreads, kFusedSmemBytes<kP>, stream>>>(
+        d, groups, segments, U, lay, static_cast<const __nv_bfloat16*>(phi), gbar, w, out_lay,
+        U_bar, phi_bar, gf, vec);
     return cudaGetLastError();
   };
   auto with_parts = [&](auto by_do) {
