@@ -83,45 +83,6 @@ template <int kP>
 constexpr int kSmemBytes = kOffSin<kP> + kSinBytes + 1024;  // + room to align
 static_assert(2 * (kSmemBytes<3> + 1024) <= 228 * 1024, "two blocks per SM");
 
-// The matrix M (kW x kP1 fp32, row-major, in global memory, or kShared:
-// in shared memory; with Mc: M + scale Mc) into kP planes (rows m, columns
-// n < kW, swizzled) and its column kW into col; the block's threads, a row's
-// column pairs over four of them.
-template <int kP, bool kShared = false>
-__device__ __forceinline__ void StagePlanes(const float* __restrict__ M,
-                                            const float* __restrict__ Mc, float scale,
-                                            __nv_bfloat16* planes, float* col) {
-  static_assert(kThreads == 4 * kW, "a row per four threads");
-  const int row = threadIdx.x >> 2, pr = threadIdx.x & 3;
-  const float* Mrow = M + row * kP1;
-  const float* Crow = Mc != nullptr ? Mc + row * kP1 : nullptr;
-  float x[8][2];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const float* at = &Mrow[2 * (pr + 4 * j) + c];
-      x[j][c] = kShared ? *at : __ldg(at);
-    }
-  if (Crow != nullptr) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-        x[j][c] = fmaf(scale, __ldg(&Crow[2 * (pr + 4 * j) + c]), x[j][c]);
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    mma_tiles::StoreSplitPair<kP>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
-                                  x[j][0], x[j][1]);
-  }
-  if (pr == 0 && col != nullptr) {
-    float y = __ldg(&Mrow[kW]);
-    if (Crow != nullptr) y = fmaf(scale, __ldg(&Crow[kW]), y);
-    col[row] = y;
-  }
-}
-
 // What a warpgroup's threads share: the tiles' descriptors and the thread's
 // place in the m64n64 accumulator (rows 16 wi + g and 16 wi + g + 8 of a
 // 64-row tile, columns 8 j + 2 tq and 8 j + 2 tq + 1).
@@ -353,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 2)
            (static_cast<int64_t>(b * d.H + h) * runs + cuda_detail::RunOf(dc.runs, k)) * kMat;
       if (dc.scale != nullptr) dscale = __ldg(&dc.scale[crow]);
     }
-    StagePlanes<kP>(D_bar + crow * kMat, Dc, dscale, planes, dcol);
+    walk_wgmma::StagePlanes<kP, kThreads>(D_bar + crow * kMat, Dc, dscale, planes, dcol);
   }
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // the tiles, not S_in
   wgmma::FenceProxyAsync();
@@ -374,8 +335,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   // The query tiles after S_in's planes replace D_bar's.
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   __syncthreads();  // S_in in; every warpgroup done with D_bar's planes
-  StagePlanes<kP, true>(reinterpret_cast<const float*>(sm + kOffSin<kP>), nullptr, 1.f, planes,
-                        nullptr);
+  walk_wgmma::StagePlanes<kP, kThreads, true>(reinterpret_cast<const float*>(sm + kOffSin<kP>),
+                                              nullptr, 1.f, planes, nullptr);
   wgmma::FenceProxyAsync();
   __syncthreads();
   if (wg < cx.nb) QueryRows<kP>(cx, d, b, h, c0, ce, wg, phi_bar);

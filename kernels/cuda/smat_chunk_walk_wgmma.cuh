@@ -48,26 +48,46 @@ __device__ __forceinline__ void StageTileRows(const __nv_bfloat16* __restrict__ 
   }
 }
 
-// The state S (kW x kP1 fp32, row-major) into the three planes and z (its
-// column dv, fp32); the block's kThreads threads.
-template <int kThreads>
-__device__ __forceinline__ void StageStateRows(const float* __restrict__ S, __nv_bfloat16* planes,
-                                               float* z) {
+// The matrix M (kW x kP1 fp32, row-major, in global memory, or kShared: in
+// shared memory; with Mc: M + scale Mc) into kP planes (rows m, columns
+// n < kW, swizzled) and its column kW into col (where not null); the block's
+// kThreads threads, a row's column pairs over four of them. The walks stage
+// their starting state with it (three planes), B7 D_bar and S_in.
+template <int kP, int kThreads, bool kShared = false>
+__device__ __forceinline__ void StagePlanes(const float* __restrict__ M,
+                                            const float* __restrict__ Mc, float scale,
+                                            __nv_bfloat16* planes, float* col) {
+  static_assert((4 * kW) % kThreads == 0, "whole rows per pass");
 #pragma unroll
-  for (int half = 0; half < 4 * kW / kThreads; ++half) {
-    const int row = (threadIdx.x >> 2) + kThreads / 4 * half, pr = threadIdx.x & 3;
-    const float* Srow = S + row * kP1;
+  for (int pass = 0; pass < 4 * kW / kThreads; ++pass) {
+    const int row = (threadIdx.x >> 2) + kThreads / 4 * pass, pr = threadIdx.x & 3;
+    const float* Mrow = M + row * kP1;
+    const float* Crow = Mc != nullptr ? Mc + row * kP1 : nullptr;
     float x[8][2];
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) x[j][c] = __ldg(&Srow[2 * (pr + 4 * j) + c]);
+      for (int c = 0; c < 2; ++c) {
+        const float* at = &Mrow[2 * (pr + 4 * j) + c];
+        x[j][c] = kShared ? *at : __ldg(at);
+      }
+    if (Crow != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          x[j][c] = fmaf(scale, __ldg(&Crow[2 * (pr + 4 * j) + c]), x[j][c]);
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      mma_tiles::StoreSplitPair<3>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
-                                   x[j][0], x[j][1]);
+      mma_tiles::StoreSplitPair<kP>(planes + SwzElem(row, 2 * (pr + 4 * j)) / 2, kPlaneBytes / 2,
+                                    x[j][0], x[j][1]);
     }
-    if (pr == 0) z[row] = __ldg(&Srow[kW]);
+    if (pr == 0 && col != nullptr) {
+      float y = __ldg(&Mrow[kW]);
+      if (Crow != nullptr) y = fmaf(scale, __ldg(&Crow[kW]), y);
+      col[row] = y;
+    }
   }
 }
 

@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   int k0, k1;
   cuda_detail::RunChunks(ws, d.Lc, s, &k0, &k1);
   constexpr int64_t kState = int64_t{kW} * kP1;
-  StageStateRows<kThreads>(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState,
-                           reinterpret_cast<__nv_bfloat16*>(sm + kOffPlanes),
+  StagePlanes<3, kThreads>(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState,
+                           nullptr, 1.f, reinterpret_cast<__nv_bfloat16*>(sm + kOffPlanes),
                            reinterpret_cast<float*>(sm + kOffZ));
   __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(sm + kOffPlanes);
   const float* const z = reinterpret_cast<const float*>(sm + kOffZ);

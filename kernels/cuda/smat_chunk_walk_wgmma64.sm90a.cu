@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kThreads64, 4)
   int k0, k1;
   cuda_detail::RunChunks(ws, d.Lc, s, &k0, &k1);
   constexpr int64_t kState = int64_t{kW} * kP1;
-  StageStateRows<kThreads64>(
-      starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState,
+  StagePlanes<3, kThreads64>(
+      starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * kState, nullptr, 1.f,
       reinterpret_cast<__nv_bfloat16*>(sm + k64OffPlanes), reinterpret_cast<float*>(sm + k64OffZ));
   __nv_bfloat16* const planes = reinterpret_cast<__nv_bfloat16*>(sm + k64OffPlanes);
   const float* const z = reinterpret_cast<const float*>(sm + k64OffZ);
