@@ -169,7 +169,7 @@ __device__ __forceinline__ void SplitRawRows(const float* s, const float* gcol, 
 // time: each warp access reads and writes two whole rows where the
 // fragments' float2 reached eight rows with 32 bytes each, a quarter of the
 // L1 wavefronts for the same bytes. old + y in that order: StoreRows' bits.
-// vec: width % 4 == 0 and out 16-byte aligned (else StoreRows).
+// vec: out 16-byte aligned (the width, r, is a multiple of 8; else StoreRows).
 constexpr int kLdRow = 72;
 static_assert(kLdRow >= kW && kLdRow % 32 == 8 && kLdRow % 4 == 0, "whole rows, conflict-free");
 static_assert(kThreads / 32 * 16 * kLdRow * 4 <= 2 * kTokPlane * 2,
@@ -346,8 +346,9 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTok
     return cudaErrorInvalidValue;
   }
   const SmatGbarFactors gf = by_factors ? *factors : SmatGbarFactors();
-  // phi_bar's adds by whole 16-byte pieces of its rows (kRaw: StageScaledRows).
-  const bool vec = d.r % 4 == 0 && Aligned16(phi_bar);
+  // phi_bar's adds by whole 16-byte pieces of its rows (kRaw: StageScaledRows);
+  // r % 8 == 0 already (SmatTypeReadsBackwardBf16Fits), so alignment decides.
+  const bool vec = Aligned16(phi_bar);
   auto launch = [&](auto parts, auto by_do) {
     constexpr int kP = decltype(parts)::value;
     constexpr bool kDo = decltype(by_do)::value;
