@@ -41,11 +41,12 @@
 // The tile's own rows as A fragments in registers (a quarter less of the
 // products' shared-memory reads) measured no faster (3.470-3.546 ms).
 // ptxas -v reports these MMAs serialized (C7520: TileChain issues the next
-// scores under `if (u < last)`). Peeling the last block off the loop, with
-// the products beside the next scores, in two halves, or before the scores,
-// removes that but spills at 128 registers: ChunkBackward 3.59-3.63 ms
-// against 3.49-3.54, and 2.95 against 2.88 with one part (2026-12-05). So
-// did asking L2 for the rows of the block 264 or 528 places on (3.62-3.81).
+// scores under `if (u < last)`). Peeling the last block off the loop (the
+// products beside the next scores, in two halves, or before the scores)
+// avoids that, with three parts only in halves, and spills 12-68 bytes at
+// 128 registers: ChunkBackward 3.59-3.63 ms against 3.49-3.54, and 2.95
+// against 2.88 with one part (2026-12-05). Asking L2 for the rows of the
+// block 264 or 528 places on was slower too (3.62-3.81 ms).
 #include <cuda_bf16.h>
 
 #include <cstdint>
