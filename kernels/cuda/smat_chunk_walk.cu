@@ -83,6 +83,13 @@
 // off, half a wave at one block per SM beside the side stream's reads: 2.23
 // -> 2.37-2.56 ms, see above.)
 //
+// Not kept either (H100, 2026-12-05): at d >= 3, the walk before the side
+// stream's reads, beside its tabulation, writing the recent rows' ybar for a
+// pass after the join to add the reads to and divide (the same bits): the
+// d = 3 forward for inference 5.15 -> 5.66-5.72 ms, d = 2 2.35 -> 2.89. The
+// tabulation and the walk each fill their SMs' shared memory, and the walk's
+// segments, planned for one wave, then run in more than one.
+//
 // The block shape and the shared pieces: smat_chunk_fwd_mma.cuh.
 #include <cuda_bf16.h>
 
