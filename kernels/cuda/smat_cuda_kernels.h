@@ -176,6 +176,18 @@ cudaError_t LaunchSmatTabulatePlane(int64_t batch_heads, int64_t W, int64_t q,
                                     const int32_t* flat_to_type, const int32_t* inverses,
                                     bool adjoint, const float* in, float* out, cudaStream_t stream);
 
+// ---- smat_tabulate_slopes.cu ---------------------------------------------------
+
+// U = C F for d = 3 as LaunchSmatTabulatePlane computes it (the same bits),
+// each loaded point added to four lines held in registers. Serves the field
+// sizes SmatTabulateSlopesServes(q) names (31 and 47 .. 113) with W a
+// multiple of 4 and in, out 16-byte aligned; LaunchSmatTabulatePlane takes it
+// there unless SMAT_CUDA_TABULATE=lines.
+bool SmatTabulateSlopesServes(int64_t q);
+cudaError_t LaunchSmatTabulateSlopes(int64_t batch_heads, int64_t W, int64_t q,
+                                     const int32_t* flat_to_type, const int32_t* inverses,
+                                     const float* in, float* out, cudaStream_t stream);
+
 // ---- smat_chunk.cu --------------------------------------------------------------
 
 // Largest query/key tile (64, 32 or 16 rows) whose shared memory fits in

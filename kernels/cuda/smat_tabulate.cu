@@ -314,6 +314,14 @@ cudaError_t LaunchSmatTabulatePlane(int64_t batch_heads, int64_t W, int64_t q,
                                     bool adjoint, const float* in, float* out,
                                     cudaStream_t stream) {
   if (batch_heads == 0 || W == 0) return cudaSuccess;
+  // The forward by slopes (smat_tabulate_slopes.cu) where it serves;
+  // SMAT_CUDA_TABULATE=lines keeps a line per thread.
+  auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  const char* form = std::getenv("SMAT_CUDA_TABULATE");
+  if (!adjoint && SmatTabulateSlopesServes(q) && W % kPlaneCols == 0 && aligned16(in) &&
+      aligned16(out) && (form == nullptr || std::strcmp(form, "lines") != 0)) {
+    return LaunchSmatTabulateSlopes(batch_heads, W, q, flat_to_type, inverses, in, out, stream);
+  }
   const int qi = static_cast<int>(q);
   return adjoint ? LaunchPlane<true>(batch_heads, W, qi, flat_to_type, inverses, in, out, stream)
                  : LaunchPlane<false>(batch_heads, W, qi, flat_to_type, inverses, in, out, stream);

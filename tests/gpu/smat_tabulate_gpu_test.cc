@@ -4,14 +4,18 @@
 // increasing index, the types through a point by direction), so the fp32
 // results must be identical, not merely close. d = 3 runs the kernels that
 // work from the plane's geometry (smat_tabulate.cu), up to the benchmark's
-// q = 67 (T = 524288); d = 2 and d = 4, and every d under
+// q = 67 (T = 524288) and q = 113, the largest plane that fits; the forward
+// both by slopes (smat_tabulate_slopes.cu, q = 31, 53, 67, 113: whole aligned
+// rows) and a line per thread (SMAT_CUDA_TABULATE=lines, and q = 2, 13, the
+// fields the slopes do not serve); d = 2 and d = 4, and every d under
 // SMAT_CUDA_GROUPED=general (the gpu_smat_general_test variant), the
 // incidence-list kernels. Rows of 35 floats leave the last column tile of a
-// block partial, rows of 6 fill less than one, rows of 36 are whole aligned
-// tiles (the plane kernels' 16-byte loads and stores); outputs are
+// block partial, rows of 6 fill less than one, rows of 36 and 8 are whole
+// aligned tiles (the plane kernels' 16-byte loads and stores); outputs are
 // NaN-poisoned.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "gtest/gtest.h"
@@ -70,21 +74,31 @@ TEST_F(SmatTabulateGpuTest, MatchesTheCpuBitForBit) {
     int d;
     int64_t q;
   };
-  // d = 3 up to the benchmark's plane (q = 67: 4489 points, 4556 lines);
-  // q = 2 has lines of two points; d = 2 and d = 4 take the lists.
-  for (const Geo& geo : {Geo{3, 2}, Geo{3, 13}, Geo{3, 67}, Geo{2, 31}, Geo{4, 5}}) {
+  // d = 3 up to the benchmark's plane (q = 67: 4489 points, 4556 lines) and
+  // beyond (q = 113: 12769 points); q = 2 has lines of two points; q = 31
+  // (4 ring slots a lane, 3 in the last), 53 and 113 (15) take other shapes
+  // of the slopes kernel; d = 2 and d = 4 take the lists.
+  for (const Geo& geo : {Geo{3, 2}, Geo{3, 13}, Geo{3, 31}, Geo{3, 53}, Geo{3, 67}, Geo{3, 113},
+                         Geo{2, 31}, Geo{4, 5}}) {
     SmatPlan plan;
     SMAT_ASSERT_OK_AND_ASSIGN(plan.geo, MakeGeometry(geo.d, geo.q));
     const SmatGeometry& g = plan.geo;
-    for (const auto& [r, p] : {std::pair<int64_t, int64_t>{5, 7}, {2, 3}, {4, 9}}) {
+    for (const auto& [r, p] : {std::pair<int64_t, int64_t>{5, 7}, {2, 3}, {4, 9}, {2, 4}}) {
       const int64_t batch = 1, H = 2;
       const std::string name = "d=" + std::to_string(geo.d) + " q=" + std::to_string(geo.q) +
                                " W=" + std::to_string(r * p);
       const uint32_t seed = static_cast<uint32_t>(31 * geo.q + r);
-      ExpectSameBits((name + " Tabulate").c_str(), {batch, H, g.P, r, p}, {batch, H, g.B, r, p},
-                     seed, [&](SmatKernels& k, const Tensor& F, Tensor* U) {
-                       return k.Tabulate(plan, F, U, nullptr);
-                     });
+      for (const char* form : {"", "lines"}) {
+        if (*form != '\0' && geo.d != 3) continue;
+        ASSERT_EQ(setenv("SMAT_CUDA_TABULATE", form, 1), 0);
+        ExpectSameBits(
+            (name + " Tabulate" + (*form ? std::string(" (") + form + ")" : std::string())).c_str(),
+            {batch, H, g.P, r, p}, {batch, H, g.B, r, p}, seed,
+            [&](SmatKernels& k, const Tensor& F, Tensor* U) {
+              return k.Tabulate(plan, F, U, nullptr);
+            });
+      }
+      ASSERT_EQ(unsetenv("SMAT_CUDA_TABULATE"), 0);
       ExpectSameBits((name + " TabulateBackward").c_str(), {batch, H, g.B, r, p},
                      {batch, H, g.P, r, p}, seed + 1,
                      [&](SmatKernels& k, const Tensor& U_bar, Tensor* F_bar) {

@@ -1,0 +1,285 @@
+// The d = 3 tabulation U[h] = sum_{x on h} F[x] (Algorithm 2) with each
+// loaded point summed into several lines from registers.
+//
+// TabulatePlaneKernel (smat_tabulate.cu) gives each thread one line and loads
+// every (point, line) term from shared memory: q^3 16-byte loads per block, so
+// the L1 is its limit (91.6% of its peak under Nsight Compute at q = 67). Here
+// one load serves four lines, the loads per term fall to a quarter and the
+// lines move between registers instead.
+//
+// The plane's geometry (MakeGeometry, D = 2): points x = (x0, x1), index
+// x0 q + x1; line (e = 0, b) = {(k, b)}, (e = 1, b) = {(b, k)} and, for
+// e = 1 + m, m >= 1, {(k, (b - k) / m)}, in increasing point index (k from 0).
+// Label the lines of e = 0 by slope s = 0, j = b, and those of e = 1 + m by
+// s = 1 / m, j = s b: at step k (point row x0 = k) line (s, j) passes x1 = j -
+// s k. In a frame turned by sigma k at row k (z = x1 + sigma k), the lines of
+// slope sigma + i sit at z = j - i k: they move i places to the left per row.
+//
+// A warp takes four slopes sigma .. sigma + 3 and four columns of the block:
+// lane (L, c) = 4 L + c holds column c of the ring slots z in [L Wc, L Wc +
+// Wc) (Wc = ceil(q / 8); the last lane's ring part is V = q - 7 Wc slots).
+// Per row it loads its Wc points once and adds each to the four lines there;
+// between rows the lines of slope sigma + i move i slots left, i of them from
+// the next lane (one shuffle each), the last lane taking the ring's start from
+// the first. The points of a row are kept in shared memory at slot t(x1) = x1
+// / Wc mod q, so the eight lanes of a column read consecutive 16-byte rows,
+// free of bank conflicts except where the ring wraps.
+//
+// Each line sums its points in increasing k, starting from zero, as the CPU
+// (TabulateIncidence) does, so the bits are the CPU's. The lines of e = 1
+// (a point row each) are summed by one more task, by whole rows.
+//
+// H100, T = 524288, d = 3 (q = 67), 8 heads, W = 4160 (2026-12-05): Tabulate
+// 2.16 -> 1.88 ms. Nsight Compute: shared-memory wavefronts 401 -> 171
+// million, bank conflicts 77 -> 21 million; the kernel now issues on 59% of
+// its cycles, three blocks of nine warps per SM (registers), and waits on the
+// staging's global loads. Loading the next row during a row's adds (96
+// registers, two blocks per SM) was slower: 1.93 ms. The field sizes are
+// template arguments so that every ring index is a constant: a register.
+#include <cstdint>
+
+#include "kernels/cuda/smat_cuda_kernels.h"
+#include "kernels/cuda/smat_device.cuh"
+
+namespace smat {
+namespace {
+
+constexpr int kSlopes = 4;  // slopes per warp task
+constexpr int kCols = 4;    // columns per block (one float4 per point)
+
+__host__ __device__ constexpr int SlopeTasks(int q) { return (q + kSlopes - 1) / kSlopes + 1; }
+__host__ __device__ constexpr int SlopeWarps(int q) { return (SlopeTasks(q) + 1) / 2; }
+// 1 / a mod q (q prime): a^(q - 2).
+__host__ __device__ constexpr int InverseMod(int a, int q) {
+  int r = 1;
+  for (int e = 0; e < q - 2; ++e) r = r * a % q;
+  return r;
+}
+// Blocks per SM that the points' shared memory allows (228 KB, 1 KB reserved
+// per block), at most 4: the register budget __launch_bounds__ asks for.
+__host__ __device__ constexpr int SlopeBlocks(int q) {
+  return 233472 / (16 * q * q + 1024) < 1   ? 1
+         : 233472 / (16 * q * q + 1024) > 4 ? 4
+                                            : 233472 / (16 * q * q + 1024);
+}
+
+// The lines of slopes sigma .. sigma + kG - 1 over the whole ring, for column
+// c of the block; out_bh = out + bh B W + w0.
+template <int kWc, int kV, int kG>
+__device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int sigma,
+                                           const int32_t* __restrict__ flat_to_type,
+                                           const int32_t* __restrict__ inverses, int64_t W,
+                                           float* __restrict__ out_bh) {
+  constexpr int kQ = 7 * kWc + kV;
+  const int lane = static_cast<int>(threadIdx.x) & 31, L = lane >> 2, c = lane & 3;
+  const bool last = L == 7;
+  const int next = (lane + 4) & 31;  // the lane holding the next kWc ring slots
+
+  float acc[kG][kWc];
+#pragma unroll
+  for (int i = 0; i < kG; ++i) {
+#pragma unroll
+    for (int p = 0; p < kWc; ++p) acc[i][p] = 0.f;
+  }
+  // The shared-memory slot of ring slot z = L kWc + p at row k (x1 = z - sigma
+  // k): t = x1 / kWc = t0 + p / kWc (mod q), t0 = L - sigma k / kWc; kept in
+  // bytes (16 per slot), the wrap taken as an unsigned minimum.
+  constexpr int kInv = InverseMod(kWc, kQ);
+  constexpr unsigned kRowBytes = 16u * kQ;
+  unsigned t0 = 16u * L;
+  const unsigned dt = 16u * ((kQ - (sigma * kInv) % kQ) % kQ);
+  const char* row = reinterpret_cast<const char*>(tab + c);
+  auto load_row = [&](float(&x)[kWc]) {
+#pragma unroll
+    for (int p = 0; p < kWc; ++p) {
+      const unsigned t = t0 + 16u * ((p * kInv) % kQ);
+      x[p] = *reinterpret_cast<const float*>(row + min(t, t - kRowBytes));
+    }
+    t0 = min(t0 + dt, t0 + dt - kRowBytes);
+    row += kRowBytes;
+  };
+
+  float x[kWc];
+  load_row(x);
+#pragma unroll
+  for (int p = 0; p < kWc; ++p) {
+#pragma unroll
+    for (int i = 0; i < kG; ++i) acc[i][p] += x[p];
+  }
+#pragma unroll 2
+  for (int k = 1; k < kQ; ++k) {
+    load_row(x);
+    // The lines of slope sigma + i move i slots left as they take row k's
+    // points.
+#pragma unroll
+    for (int p = 0; p < kWc; ++p) acc[0][p] += x[p];
+#pragma unroll
+    for (int i = 1; i < kG; ++i) {
+      float got[kG];
+#pragma unroll
+      for (int r = 0; r < i; ++r) got[r] = __shfl_sync(0xffffffffu, acc[i][r], next);
+#pragma unroll
+      for (int p = 0; p < kWc; ++p) {
+        const float moved = p + i < kWc ? acc[i][p + i] : got[p + i - kWc];
+        // The last lane's ring part ends at kV: its slots from kV - i on
+        // take the ring's first slots, from the first lane.
+        acc[i][p] = ((p < kV && p + i >= kV && last) ? got[p + i - kV] : moved) + x[p];
+      }
+    }
+  }
+
+  // After row q - 1, ring slot z holds the line j = z + i (q - 1) = z - i.
+#pragma unroll
+  for (int i = 0; i < kG; ++i) {
+    const int s = sigma + i;
+    const int m = s == 0 ? 0 : __ldg(&inverses[s]);
+    const int e = s == 0 ? 0 : 1 + m;
+#pragma unroll
+    for (int p = 0; p < kWc; ++p) {
+      const int z = L * kWc + p;
+      if (z >= kQ) continue;
+      const int j = z - i < 0 ? z - i + kQ : z - i;
+      const int b = s == 0 ? j : (j * m) % kQ;
+      const int h = __ldg(&flat_to_type[e * kQ + b]);
+      out_bh[static_cast<int64_t>(h) * W + c] = acc[i][p];
+    }
+  }
+}
+
+__device__ __forceinline__ void Add4(float4& acc, const float4& x) {
+  acc.x += x.x;
+  acc.y += x.y;
+  acc.z += x.z;
+  acc.w += x.w;
+}
+
+// grid (W / kCols, batch_heads), 32 SlopeWarps(q) threads, 16 q^2 bytes of
+// shared memory. W a multiple of 4, in and out 16-byte aligned.
+template <int kWc, int kV>
+__global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV), SlopeBlocks(7 * kWc + kV))
+    TabulateSlopesKernel(int64_t W, const int32_t* __restrict__ flat_to_type,
+                         const int32_t* __restrict__ inverses, const float* __restrict__ in,
+                         float* __restrict__ out) {
+  constexpr int kQ = 7 * kWc + kV, kP = kQ * kQ, kB = kQ * (kQ + 1);
+  constexpr int kThreads = 32 * SlopeWarps(kQ), kInv = InverseMod(kWc, kQ);
+  extern __shared__ float4 tab4[];  // [kP]: point (x0, x1) at x0 q + t(x1)
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kCols, bh = blockIdx.y;
+  const float* src = in + bh * kP * W + w0;
+
+  constexpr int kRows = 5;  // rows in flight per thread
+  for (int f0 = threadIdx.x; f0 < kP; f0 += kThreads * kRows) {
+    float4 x[kRows];
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int f = f0 + u * kThreads;
+      x[u] = f < kP ? __ldg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(f) * W))
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int f = f0 + u * kThreads;
+      if (f < kP) {
+        const int x0 = f / kQ, x1 = f - x0 * kQ;
+        tab4[x0 * kQ + (x1 * kInv) % kQ] = x[u];
+      }
+    }
+  }
+  __syncthreads();
+
+  float* out_bh = out + bh * kB * W + w0;
+  constexpr int kGroups = SlopeTasks(kQ) - 1, kLastG = kQ - kSlopes * (kGroups - 1);
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  for (int task = warp; task < SlopeTasks(kQ); task += SlopeWarps(kQ)) {
+    if (task < kGroups) {
+      const float* tab = reinterpret_cast<const float*>(tab4);
+      if (task < kGroups - 1 || kLastG == kSlopes) {
+        SlopeGroup<kWc, kV, kSlopes>(tab, kSlopes * task, flat_to_type, inverses, W, out_bh);
+      } else {
+        SlopeGroup<kWc, kV, kLastG>(tab, kSlopes * task, flat_to_type, inverses, W, out_bh);
+      }
+      continue;
+    }
+    // e = 1: line b is point row b, x1 = 0 .. q - 1 at slots t(x1).
+    for (int b = lane; b < kQ; b += 32) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4* r = tab4 + b * kQ;
+      int t = 0;
+      for (int k = 0; k < kQ; ++k) {
+        Add4(acc, r[t]);
+        t += kInv;
+        if (t >= kQ) t -= kQ;
+      }
+      const int h = __ldg(&flat_to_type[kQ + b]);
+      *reinterpret_cast<float4*>(out_bh + static_cast<int64_t>(h) * W) = acc;
+    }
+  }
+}
+
+template <int kWc, int kV>
+cudaError_t LaunchSlopes(int64_t batch_heads, int64_t W, const int32_t* flat_to_type,
+                         const int32_t* inverses, const float* in, float* out,
+                         cudaStream_t stream) {
+  constexpr int kQ = 7 * kWc + kV;
+  static_assert(kV >= kSlopes - 1 && kV <= kWc, "the last lane needs kSlopes - 1 ring slots");
+  auto kernel = TabulateSlopesKernel<kWc, kV>;
+  const int smem = static_cast<int>(sizeof(float4)) * kQ * kQ;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(W / kCols), static_cast<unsigned>(batch_heads));
+  kernel<<<grid, 32 * SlopeWarps(kQ), smem, stream>>>(W, flat_to_type, inverses, in, out);
+  return cudaGetLastError();
+}
+
+// The field sizes served: kWc = ceil(q / 8) and kV = q - 7 kWc >= 3 (so that a
+// shift of up to three slots reads the last lane's own slots), from q = 31 up
+// to 113, the largest whose points fit in shared memory.
+#define SMAT_SLOPE_FIELDS(X) \
+  X(31, 4, 3)                \
+  X(47, 6, 5)                \
+  X(53, 7, 4)                \
+  X(59, 8, 3)                \
+  X(61, 8, 5)                \
+  X(67, 9, 4)                \
+  X(71, 9, 8)                \
+  X(73, 10, 3)               \
+  X(79, 10, 9)               \
+  X(83, 11, 6)               \
+  X(89, 12, 5)               \
+  X(97, 13, 6)               \
+  X(101, 13, 10)             \
+  X(103, 13, 12)             \
+  X(107, 14, 9)              \
+  X(109, 14, 11)             \
+  X(113, 15, 8)
+
+}  // namespace
+
+bool SmatTabulateSlopesServes(int64_t q) {
+  switch (q) {
+#define SMAT_SLOPE_CASE(q, wc, v) \
+  case q:                         \
+    return true;
+    SMAT_SLOPE_FIELDS(SMAT_SLOPE_CASE)
+#undef SMAT_SLOPE_CASE
+    default:
+      return false;
+  }
+}
+
+cudaError_t LaunchSmatTabulateSlopes(int64_t batch_heads, int64_t W, int64_t q,
+                                     const int32_t* flat_to_type, const int32_t* inverses,
+                                     const float* in, float* out, cudaStream_t stream) {
+  if (batch_heads == 0 || W == 0) return cudaSuccess;
+  switch (q) {
+#define SMAT_SLOPE_CASE(q, wc, v) \
+  case q:                         \
+    return LaunchSlopes<wc, v>(batch_heads, W, flat_to_type, inverses, in, out, stream);
+    SMAT_SLOPE_FIELDS(SMAT_SLOPE_CASE)
+#undef SMAT_SLOPE_CASE
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace smat
