@@ -31,11 +31,13 @@
 //
 // H100, T = 524288, d = 3 (q = 67), 8 heads, W = 4160 (2026-12-05): Tabulate
 // 2.16 -> 1.88 ms. Nsight Compute: shared-memory wavefronts 401 -> 171
-// million, bank conflicts 77 -> 21 million; the kernel now issues on 59% of
-// its cycles, three blocks of nine warps per SM (registers), and waits on the
-// staging's global loads. Loading the next row during a row's adds (96
-// registers, two blocks per SM) was slower: 1.93 ms. The field sizes are
-// template arguments so that every ring index is a constant: a register.
+// million, bank conflicts 77 -> 21 million; the kernel then issued on 59% of
+// its cycles, three blocks of nine warps per SM (registers), and waited on the
+// staging's global loads. Staged in two halves of asynchronous copies, the
+// sums starting on the first: 1.88 -> 1.67-1.69 ms. Loading the next row
+// during a row's adds (96 registers, two blocks per SM) was slower: 1.93 ms.
+// The field sizes are template arguments so that every ring index is a
+// constant: a register.
 #include <cstdint>
 
 #include "kernels/cuda/smat_cuda_kernels.h"
@@ -66,7 +68,7 @@ __host__ __device__ constexpr int SlopeBlocks(int q) {
 // The lines of slopes sigma .. sigma + kG - 1 over the whole ring, for column
 // c of the block; out_bh = out + bh B W + w0.
 template <int kWc, int kV, int kG>
-__device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int sigma,
+__device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int sigma, int sync_row,
                                            const int32_t* __restrict__ flat_to_type,
                                            const int32_t* __restrict__ inverses, int64_t W,
                                            float* __restrict__ out_bh) {
@@ -108,6 +110,10 @@ __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int si
   }
 #pragma unroll 2
   for (int k = 1; k < kQ; ++k) {
+    if (k == sync_row) {  // the block's second half of the points has landed
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      __syncthreads();
+    }
     load_row(x);
     // The lines of slope sigma + i move i slots left as they take row k's
     // points.
@@ -166,36 +172,41 @@ __global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV), SlopeBlocks(7 *
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kCols, bh = blockIdx.y;
   const float* src = in + bh * kP * W + w0;
 
-  constexpr int kRows = 5;  // rows in flight per thread
-  for (int f0 = threadIdx.x; f0 < kP; f0 += kThreads * kRows) {
-    float4 x[kRows];
+  constexpr int kGroups = SlopeTasks(kQ) - 1, kLastG = kQ - kSlopes * (kGroups - 1);
+  static_assert(SlopeWarps(kQ) <= kGroups, "every warp's first task is a slope group");
+  constexpr int kHalf = kQ / 2;
+  // Point rows x0 < kHalf, then the rest, as two groups of asynchronous
+  // copies: the sums start on the first half (each slope group's first task
+  // waits for the second at row kHalf).
 #pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int f = f0 + u * kThreads;
-      x[u] = f < kP ? __ldg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(f) * W))
-                    : make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int stage = 0; stage < 2; ++stage) {
+    const int end = stage == 0 ? kHalf * kQ : kP;
+    for (int f = (stage == 0 ? 0 : kHalf * kQ) + static_cast<int>(threadIdx.x); f < end;
+         f += kThreads) {
+      const int x0 = f / kQ, x1 = f - x0 * kQ;
+      const unsigned dst =
+          static_cast<unsigned>(__cvta_generic_to_shared(&tab4[x0 * kQ + (x1 * kInv) % kQ]));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                   "l"(src + static_cast<int64_t>(f) * W)
+                   : "memory");
     }
-#pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int f = f0 + u * kThreads;
-      if (f < kP) {
-        const int x0 = f / kQ, x1 = f - x0 * kQ;
-        tab4[x0 * kQ + (x1 * kInv) % kQ] = x[u];
-      }
-    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
   __syncthreads();
 
   float* out_bh = out + bh * kB * W + w0;
-  constexpr int kGroups = SlopeTasks(kQ) - 1, kLastG = kQ - kSlopes * (kGroups - 1);
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   for (int task = warp; task < SlopeTasks(kQ); task += SlopeWarps(kQ)) {
     if (task < kGroups) {
       const float* tab = reinterpret_cast<const float*>(tab4);
+      const int sync_row = task == warp ? kHalf : -1;
       if (task < kGroups - 1 || kLastG == kSlopes) {
-        SlopeGroup<kWc, kV, kSlopes>(tab, kSlopes * task, flat_to_type, inverses, W, out_bh);
+        SlopeGroup<kWc, kV, kSlopes>(tab, kSlopes * task, sync_row, flat_to_type, inverses, W,
+                                     out_bh);
       } else {
-        SlopeGroup<kWc, kV, kLastG>(tab, kSlopes * task, flat_to_type, inverses, W, out_bh);
+        SlopeGroup<kWc, kV, kLastG>(tab, kSlopes * task, sync_row, flat_to_type, inverses, W,
+                                    out_bh);
       }
       continue;
     }
