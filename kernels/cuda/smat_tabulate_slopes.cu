@@ -34,7 +34,7 @@
 // million, bank conflicts 77 -> 21 million; the kernel then issued on 59% of
 // its cycles, three blocks of nine warps per SM (registers), and waited on the
 // staging's global loads. Staged in two halves of asynchronous copies, the
-// sums starting on the first: 1.88 -> 1.67-1.69 ms. Loading the next row
+// sums starting on the first: 1.88 -> 1.67-1.72 ms. Loading the next row
 // during a row's adds (96 registers, two blocks per SM) was slower: 1.93 ms.
 // The field sizes are template arguments so that every ring index is a
 // constant: a register.
