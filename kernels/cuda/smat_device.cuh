@@ -262,5 +262,13 @@ __device__ __forceinline__ void ZeroAcc(float (&acc)[kM][kN]) {
     for (int j = 0; j < kN; ++j) acc[i][j] = 0.f;
 }
 
+// acc += x, element by element.
+__device__ __forceinline__ void Add4(float4& acc, const float4& x) {
+  acc.x += x.x;
+  acc.y += x.y;
+  acc.z += x.z;
+  acc.w += x.w;
+}
+
 }  // namespace cuda_detail
 }  // namespace smat

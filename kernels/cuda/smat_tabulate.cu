@@ -28,6 +28,7 @@
 namespace smat {
 namespace {
 
+using cuda_detail::Add4;
 using cuda_detail::kThreads;
 
 // ---- from the incidence lists ---------------------------------------------------------
@@ -133,12 +134,7 @@ __global__ void __launch_bounds__(kTabThreads)
 constexpr int kPlaneThreads = 512;
 constexpr int kPlaneCols = 4;
 
-__device__ __forceinline__ void Add4(float4& acc, const float4& x) {
-  acc.x += x.x;
-  acc.y += x.y;
-  acc.z += x.z;
-  acc.w += x.w;
-}
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // grid (ceil(W / kPlaneCols), batch_heads), kPlaneThreads threads, 16 n_in
 // bytes of shared memory (n_in = P, or B for the adjoint). inverses[m] =
@@ -255,8 +251,7 @@ cudaError_t LaunchPlane(int64_t batch_heads, int64_t W, int q, const int32_t* fl
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((W + kPlaneCols - 1) / kPlaneCols),
                   static_cast<unsigned>(batch_heads));
-  auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  const bool vec = W % kPlaneCols == 0 && aligned16(in) && aligned16(out);
+  const bool vec = W % kPlaneCols == 0 && Aligned16(in) && Aligned16(out);
   kernel<<<grid, kPlaneThreads, smem, stream>>>(W, q, vec, flat_to_type, inverses, in, out);
   return cudaGetLastError();
 }
@@ -314,13 +309,13 @@ cudaError_t LaunchSmatTabulatePlane(int64_t batch_heads, int64_t W, int64_t q,
                                     bool adjoint, const float* in, float* out,
                                     cudaStream_t stream) {
   if (batch_heads == 0 || W == 0) return cudaSuccess;
-  // The forward by slopes (smat_tabulate_slopes.cu) where it serves;
-  // SMAT_CUDA_TABULATE=lines keeps a line per thread.
-  auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  // The forward and the adjoint by slopes (smat_tabulate_slopes.cu) where
+  // they serve; SMAT_CUDA_TABULATE=lines keeps a line (point) per thread.
   const char* form = std::getenv("SMAT_CUDA_TABULATE");
-  if (!adjoint && SmatTabulateSlopesServes(q) && W % kPlaneCols == 0 && aligned16(in) &&
-      aligned16(out) && (form == nullptr || std::strcmp(form, "lines") != 0)) {
-    return LaunchSmatTabulateSlopes(batch_heads, W, q, flat_to_type, inverses, in, out, stream);
+  if (SmatTabulateSlopesServes(q) && W % kPlaneCols == 0 && Aligned16(in) && Aligned16(out) &&
+      (form == nullptr || std::strcmp(form, "lines") != 0)) {
+    return LaunchSmatTabulateSlopes(batch_heads, W, q, flat_to_type, inverses, adjoint, in, out,
+                                    stream);
   }
   const int qi = static_cast<int>(q);
   return adjoint ? LaunchPlane<true>(batch_heads, W, qi, flat_to_type, inverses, in, out, stream)

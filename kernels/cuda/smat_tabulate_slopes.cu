@@ -1,5 +1,7 @@
 // The d = 3 tabulation U[h] = sum_{x on h} F[x] (Algorithm 2) with each
-// loaded point summed into several lines from registers.
+// loaded point summed into several lines from registers, and its adjoint
+// F_bar[x] = sum_{h through x} U_bar[h] with each loaded line summed into
+// several points (SlopeGroup's notes).
 //
 // TabulatePlaneKernel (smat_tabulate.cu) gives each thread one line and loads
 // every (point, line) term from shared memory: q^3 16-byte loads per block, so
@@ -46,6 +48,8 @@
 namespace smat {
 namespace {
 
+using cuda_detail::Add4;
+
 constexpr int kSlopes = 4;  // slopes per warp task
 constexpr int kCols = 4;    // columns per block (one float4 per point)
 
@@ -57,17 +61,34 @@ __host__ __device__ constexpr int InverseMod(int a, int q) {
   for (int e = 0; e < q - 2; ++e) r = r * a % q;
   return r;
 }
-// Blocks per SM that the points' shared memory allows (228 KB, 1 KB reserved
-// per block), at most 4: the register budget __launch_bounds__ asks for.
-__host__ __device__ constexpr int SlopeBlocks(int q) {
-  return 233472 / (16 * q * q + 1024) < 1   ? 1
-         : 233472 / (16 * q * q + 1024) > 4 ? 4
-                                            : 233472 / (16 * q * q + 1024);
+// Blocks per SM that the staged rows' shared memory allows (228 KB, 1 KB
+// reserved per block), at most 4: the register budget __launch_bounds__ asks
+// for. rows = q^2 points, or q (q + 1) lines for the adjoint.
+__host__ __device__ constexpr int SlopeBlocks(int rows) {
+  return 233472 / (16 * rows + 1024) < 1   ? 1
+         : 233472 / (16 * rows + 1024) > 4 ? 4
+                                           : 233472 / (16 * rows + 1024);
+}
+__host__ __device__ constexpr int StagedRows(int q, bool adjoint) {
+  return adjoint ? q * (q + 1) : q * q;
 }
 
-// The lines of slopes sigma .. sigma + kG - 1 over the whole ring, for column
-// c of the block; out_bh = out + bh B W + w0.
-template <int kWc, int kV, int kG>
+// The forward: the lines of slopes sigma .. sigma + kG - 1 over the whole
+// ring, for column c of the block; out_bh = out + bh B W + w0. The adjoint
+// (kAdjoint): the points of columns x1 = sigma .. sigma + kG - 1; out_bh =
+// out + bh P W + w0.
+//
+// The adjoint sums over the lines through a point in increasing direction e,
+// starting from zero, as the CPU (TabulateIncidenceBackward) does: e = 0 (the
+// line b = x1, one value for a whole column), then e = 1 + m, m = 0 .. q - 1,
+// whose line through (x0, x1) is b = x0 + m x1 (e = 1, the point rows, is m =
+// 0). The steps m take the place of the forward's rows k. In a frame turned
+// by -sigma m at step m (u = sigma m - b) the point (x0, sigma + i) sits at u
+// = -x0 - i m: it moves i places to the left per step, as the forward's lines
+// do, so the shifts are the forward's. Step m loads row e = 1 + m at b = sigma
+// m - u, shared-memory slot t(b) = b / Wc mod q (lanes descending: free of
+// bank conflicts as well).
+template <bool kAdjoint, int kWc, int kV, int kG>
 __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int sigma, int sync_row,
                                            const int32_t* __restrict__ flat_to_type,
                                            const int32_t* __restrict__ inverses, int64_t W,
@@ -77,24 +98,33 @@ __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int si
   const bool last = L == 7;
   const int next = (lane + 4) & 31;  // the lane holding the next kWc ring slots
 
+  // The shared-memory slot of ring slot z = L kWc + p at row k (forward: x1 =
+  // z - sigma k): t = x1 / kWc = t0 + p / kWc (mod q), t0 = L - sigma k / kWc;
+  // at step m (adjoint: b = sigma m - z): t = t0 - p / kWc, t0 = sigma m /
+  // kWc - L. Kept in bytes (16 per slot), the wrap taken as an unsigned
+  // minimum.
+  constexpr int kInv = InverseMod(kWc, kQ);
+  constexpr unsigned kRowBytes = 16u * kQ;
+  unsigned t0 = 16u * (kAdjoint ? (kQ - L) % kQ : L);
+  const unsigned dt = 16u * (kAdjoint ? (sigma * kInv) % kQ : (kQ - (sigma * kInv) % kQ) % kQ);
+  const char* row = reinterpret_cast<const char*>(tab + c);
+
   float acc[kG][kWc];
 #pragma unroll
   for (int i = 0; i < kG; ++i) {
+    // The adjoint's first term, e = 0: line b = x1 = sigma + i.
+    const float first =
+        kAdjoint ? *reinterpret_cast<const float*>(row + 16u * (((sigma + i) * kInv) % kQ)) : 0.f;
 #pragma unroll
-    for (int p = 0; p < kWc; ++p) acc[i][p] = 0.f;
+    for (int p = 0; p < kWc; ++p) acc[i][p] = kAdjoint ? 0.f + first : 0.f;
   }
-  // The shared-memory slot of ring slot z = L kWc + p at row k (x1 = z - sigma
-  // k): t = x1 / kWc = t0 + p / kWc (mod q), t0 = L - sigma k / kWc; kept in
-  // bytes (16 per slot), the wrap taken as an unsigned minimum.
-  constexpr int kInv = InverseMod(kWc, kQ);
-  constexpr unsigned kRowBytes = 16u * kQ;
-  unsigned t0 = 16u * L;
-  const unsigned dt = 16u * ((kQ - (sigma * kInv) % kQ) % kQ);
-  const char* row = reinterpret_cast<const char*>(tab + c);
+  if (kAdjoint) row += kRowBytes;  // step m = 0 reads row e = 1
+
   auto load_row = [&](float(&x)[kWc]) {
 #pragma unroll
     for (int p = 0; p < kWc; ++p) {
-      const unsigned t = t0 + 16u * ((p * kInv) % kQ);
+      const unsigned off = 16u * (kAdjoint ? (kQ - (p * kInv) % kQ) % kQ : (p * kInv) % kQ);
+      const unsigned t = t0 + off;
       x[p] = *reinterpret_cast<const float*>(row + min(t, t - kRowBytes));
     }
     t0 = min(t0 + dt, t0 + dt - kRowBytes);
@@ -110,13 +140,13 @@ __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int si
   }
 #pragma unroll 2
   for (int k = 1; k < kQ; ++k) {
-    if (k == sync_row) {  // the block's second half of the points has landed
+    if (k == sync_row) {  // the block's second half of the rows has landed
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
       __syncthreads();
     }
     load_row(x);
-    // The lines of slope sigma + i move i slots left as they take row k's
-    // points.
+    // The lines (adjoint: points) of slope sigma + i move i slots left as
+    // they take row k's points (step m's lines).
 #pragma unroll
     for (int p = 0; p < kWc; ++p) acc[0][p] += x[p];
 #pragma unroll
@@ -134,60 +164,69 @@ __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int si
     }
   }
 
-  // After row q - 1, ring slot z holds the line j = z + i (q - 1) = z - i.
+  // After row (step) q - 1, ring slot z holds the line j = z + i (q - 1) = z
+  // - i (the point x0 = -z - i (q - 1) = i - z).
 #pragma unroll
   for (int i = 0; i < kG; ++i) {
     const int s = sigma + i;
-    const int m = s == 0 ? 0 : __ldg(&inverses[s]);
-    const int e = s == 0 ? 0 : 1 + m;
+    int64_t row_out = 0;
+    int m = 0, e = 0;
+    if (!kAdjoint) {
+      m = s == 0 ? 0 : __ldg(&inverses[s]);
+      e = s == 0 ? 0 : 1 + m;
+    }
 #pragma unroll
     for (int p = 0; p < kWc; ++p) {
       const int z = L * kWc + p;
       if (z >= kQ) continue;
-      const int j = z - i < 0 ? z - i + kQ : z - i;
-      const int b = s == 0 ? j : (j * m) % kQ;
-      const int h = __ldg(&flat_to_type[e * kQ + b]);
-      out_bh[static_cast<int64_t>(h) * W + c] = acc[i][p];
+      if (kAdjoint) {
+        const int x0 = i - z < 0 ? i - z + kQ : i - z;
+        row_out = static_cast<int64_t>(x0) * kQ + s;
+      } else {
+        const int j = z - i < 0 ? z - i + kQ : z - i;
+        const int b = s == 0 ? j : (j * m) % kQ;
+        row_out = __ldg(&flat_to_type[e * kQ + b]);
+      }
+      out_bh[row_out * W + c] = acc[i][p];
     }
   }
 }
 
-__device__ __forceinline__ void Add4(float4& acc, const float4& x) {
-  acc.x += x.x;
-  acc.y += x.y;
-  acc.z += x.z;
-  acc.w += x.w;
-}
-
-// grid (W / kCols, batch_heads), 32 SlopeWarps(q) threads, 16 q^2 bytes of
-// shared memory. W a multiple of 4, in and out 16-byte aligned.
-template <int kWc, int kV>
-__global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV), SlopeBlocks(7 * kWc + kV))
+// grid (W / kCols, batch_heads), 32 SlopeWarps(q) threads, 16 StagedRows(q,
+// kAdjoint) bytes of shared memory. W a multiple of 4, in and out 16-byte
+// aligned.
+template <bool kAdjoint, int kWc, int kV>
+__global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV),
+                                  SlopeBlocks(StagedRows(7 * kWc + kV, kAdjoint)))
     TabulateSlopesKernel(int64_t W, const int32_t* __restrict__ flat_to_type,
                          const int32_t* __restrict__ inverses, const float* __restrict__ in,
                          float* __restrict__ out) {
   constexpr int kQ = 7 * kWc + kV, kP = kQ * kQ, kB = kQ * (kQ + 1);
+  constexpr int kIn = kAdjoint ? kB : kP, kOut = kAdjoint ? kP : kB;
   constexpr int kThreads = 32 * SlopeWarps(kQ), kInv = InverseMod(kWc, kQ);
-  extern __shared__ float4 tab4[];  // [kP]: point (x0, x1) at x0 q + t(x1)
+  // [kIn]: point (x0, x1) at x0 q + t(x1); the adjoint's line (e, b) at e q +
+  // t(b).
+  extern __shared__ float4 tab4[];
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kCols, bh = blockIdx.y;
-  const float* src = in + bh * kP * W + w0;
+  const float* src = in + bh * kIn * W + w0;
 
   constexpr int kGroups = SlopeTasks(kQ) - 1, kLastG = kQ - kSlopes * (kGroups - 1);
   static_assert(SlopeWarps(kQ) <= kGroups, "every warp's first task is a slope group");
-  constexpr int kHalf = kQ / 2;
-  // Point rows x0 < kHalf, then the rest, as two groups of asynchronous
-  // copies: the sums start on the first half (each slope group's first task
-  // waits for the second at row kHalf).
+  // Point rows x0 < kHalf (the adjoint: directions e <= kHalf), then the rest,
+  // as two groups of asynchronous copies: the sums start on the first half
+  // (each slope group's first task waits for the second at row (step) kHalf).
+  constexpr int kHalf = kQ / 2, kHalfRows = (kAdjoint ? kHalf + 1 : kHalf) * kQ;
 #pragma unroll
   for (int stage = 0; stage < 2; ++stage) {
-    const int end = stage == 0 ? kHalf * kQ : kP;
-    for (int f = (stage == 0 ? 0 : kHalf * kQ) + static_cast<int>(threadIdx.x); f < end;
+    const int end = stage == 0 ? kHalfRows : kIn;
+    for (int f = (stage == 0 ? 0 : kHalfRows) + static_cast<int>(threadIdx.x); f < end;
          f += kThreads) {
-      const int x0 = f / kQ, x1 = f - x0 * kQ;
+      const int x0 = f / kQ, x1 = f - x0 * kQ;  // the adjoint: e, b
+      const int from = kAdjoint ? __ldg(&flat_to_type[f]) : f;
       const unsigned dst =
           static_cast<unsigned>(__cvta_generic_to_shared(&tab4[x0 * kQ + (x1 * kInv) % kQ]));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
-                   "l"(src + static_cast<int64_t>(f) * W)
+                   "l"(src + static_cast<int64_t>(from) * W)
                    : "memory");
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -195,22 +234,26 @@ __global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV), SlopeBlocks(7 *
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
   __syncthreads();
 
-  float* out_bh = out + bh * kB * W + w0;
+  float* out_bh = out + bh * kOut * W + w0;
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
-  for (int task = warp; task < SlopeTasks(kQ); task += SlopeWarps(kQ)) {
+  // The adjoint's tasks are its kGroups column groups; the forward's one
+  // more, the lines of e = 1.
+  constexpr int kTasks = kAdjoint ? kGroups : SlopeTasks(kQ);
+  for (int task = warp; task < kTasks; task += SlopeWarps(kQ)) {
     if (task < kGroups) {
       const float* tab = reinterpret_cast<const float*>(tab4);
       const int sync_row = task == warp ? kHalf : -1;
       if (task < kGroups - 1 || kLastG == kSlopes) {
-        SlopeGroup<kWc, kV, kSlopes>(tab, kSlopes * task, sync_row, flat_to_type, inverses, W,
-                                     out_bh);
+        SlopeGroup<kAdjoint, kWc, kV, kSlopes>(tab, kSlopes * task, sync_row, flat_to_type,
+                                               inverses, W, out_bh);
       } else {
-        SlopeGroup<kWc, kV, kLastG>(tab, kSlopes * task, sync_row, flat_to_type, inverses, W,
-                                    out_bh);
+        SlopeGroup<kAdjoint, kWc, kV, kLastG>(tab, kSlopes * task, sync_row, flat_to_type, inverses,
+                                              W, out_bh);
       }
       continue;
     }
     // e = 1: line b is point row b, x1 = 0 .. q - 1 at slots t(x1).
+    if constexpr (kAdjoint) continue;
     for (int b = lane; b < kQ; b += 32) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       const float4* r = tab4 + b * kQ;
@@ -226,14 +269,14 @@ __global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV), SlopeBlocks(7 *
   }
 }
 
-template <int kWc, int kV>
+template <bool kAdjoint, int kWc, int kV>
 cudaError_t LaunchSlopes(int64_t batch_heads, int64_t W, const int32_t* flat_to_type,
                          const int32_t* inverses, const float* in, float* out,
                          cudaStream_t stream) {
   constexpr int kQ = 7 * kWc + kV;
   static_assert(kV >= kSlopes - 1 && kV <= kWc, "the last lane needs kSlopes - 1 ring slots");
-  auto kernel = TabulateSlopesKernel<kWc, kV>;
-  const int smem = static_cast<int>(sizeof(float4)) * kQ * kQ;
+  auto kernel = TabulateSlopesKernel<kAdjoint, kWc, kV>;
+  const int smem = static_cast<int>(sizeof(float4)) * StagedRows(kQ, kAdjoint);
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -280,12 +323,16 @@ bool SmatTabulateSlopesServes(int64_t q) {
 
 cudaError_t LaunchSmatTabulateSlopes(int64_t batch_heads, int64_t W, int64_t q,
                                      const int32_t* flat_to_type, const int32_t* inverses,
-                                     const float* in, float* out, cudaStream_t stream) {
+                                     bool adjoint, const float* in, float* out,
+                                     cudaStream_t stream) {
   if (batch_heads == 0 || W == 0) return cudaSuccess;
   switch (q) {
-#define SMAT_SLOPE_CASE(q, wc, v) \
-  case q:                         \
-    return LaunchSlopes<wc, v>(batch_heads, W, flat_to_type, inverses, in, out, stream);
+#define SMAT_SLOPE_CASE(q, wc, v)                                                                \
+  case q:                                                                                        \
+    return adjoint ? LaunchSlopes<true, wc, v>(batch_heads, W, flat_to_type, inverses, in, out,  \
+                                               stream)                                           \
+                   : LaunchSlopes<false, wc, v>(batch_heads, W, flat_to_type, inverses, in, out, \
+                                                stream);
     SMAT_SLOPE_FIELDS(SMAT_SLOPE_CASE)
 #undef SMAT_SLOPE_CASE
     default:

@@ -5,9 +5,10 @@
 // results must be identical, not merely close. d = 3 runs the kernels that
 // work from the plane's geometry (smat_tabulate.cu), up to the benchmark's
 // q = 67 (T = 524288) and q = 113, the largest plane that fits; the forward
-// both by slopes (smat_tabulate_slopes.cu, q = 31, 53, 67, 113: whole aligned
-// rows) and a line per thread (SMAT_CUDA_TABULATE=lines, and q = 2, 13, the
-// fields the slopes do not serve); d = 2 and d = 4, and every d under
+// and the adjoint both by slopes (smat_tabulate_slopes.cu, q = 31, 53, 67,
+// 113: whole aligned rows) and a line (point) per thread
+// (SMAT_CUDA_TABULATE=lines, and q = 2, 13, the fields the slopes do not
+// serve); d = 2 and d = 4, and every d under
 // SMAT_CUDA_GROUPED=general (the gpu_smat_general_test variant), the
 // incidence-list kernels. Rows of 35 floats leave the last column tile of a
 // block partial, rows of 6 fill less than one, rows of 36 and 8 are whole
@@ -97,13 +98,15 @@ TEST_F(SmatTabulateGpuTest, MatchesTheCpuBitForBit) {
             [&](SmatKernels& k, const Tensor& F, Tensor* U) {
               return k.Tabulate(plan, F, U, nullptr);
             });
+        ExpectSameBits(
+            (name + " TabulateBackward" + (*form ? std::string(" (") + form + ")" : std::string()))
+                .c_str(),
+            {batch, H, g.B, r, p}, {batch, H, g.P, r, p}, seed + 1,
+            [&](SmatKernels& k, const Tensor& U_bar, Tensor* F_bar) {
+              return k.TabulateBackward(plan, U_bar, F_bar, nullptr);
+            });
       }
       ASSERT_EQ(unsetenv("SMAT_CUDA_TABULATE"), 0);
-      ExpectSameBits((name + " TabulateBackward").c_str(), {batch, H, g.B, r, p},
-                     {batch, H, g.P, r, p}, seed + 1,
-                     [&](SmatKernels& k, const Tensor& U_bar, Tensor* F_bar) {
-                       return k.TabulateBackward(plan, U_bar, F_bar, nullptr);
-                     });
     }
   }
 }
