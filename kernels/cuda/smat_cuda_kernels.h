@@ -180,10 +180,12 @@ cudaError_t LaunchSmatTabulatePlane(int64_t batch_heads, int64_t W, int64_t q,
 
 // U = C F for d = 3 (adjoint: F_bar = C^T U_bar) as LaunchSmatTabulatePlane
 // computes it (the same bits), each loaded point (line) added to four lines
-// (points) held in registers. Serves the field sizes SmatTabulateSlopesServes(q)
-// names (31 and 47 .. 113) with W a multiple of 4 and in, out 16-byte aligned;
-// LaunchSmatTabulatePlane takes it there unless SMAT_CUDA_TABULATE=lines.
-bool SmatTabulateSlopesServes(int64_t q);
+// (points) held in registers. Serves the field sizes
+// SmatTabulateSlopesServes(q, adjoint) names (31 and 47 .. 113, where the
+// staged rows fit the device's shared memory) with W a multiple of 4 and in,
+// out 16-byte aligned; LaunchSmatTabulatePlane takes it there unless
+// SMAT_CUDA_TABULATE=lines.
+bool SmatTabulateSlopesServes(int64_t q, bool adjoint);
 cudaError_t LaunchSmatTabulateSlopes(int64_t batch_heads, int64_t W, int64_t q,
                                      const int32_t* flat_to_type, const int32_t* inverses,
                                      bool adjoint, const float* in, float* out,

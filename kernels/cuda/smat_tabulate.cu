@@ -29,6 +29,7 @@ namespace smat {
 namespace {
 
 using cuda_detail::Add4;
+using cuda_detail::Aligned16;
 using cuda_detail::kThreads;
 
 // ---- from the incidence lists ---------------------------------------------------------
@@ -133,8 +134,6 @@ __global__ void __launch_bounds__(kTabThreads)
 // 3.03 and 3.41 ms against 2.70 and 2.81 ms). 512 threads.
 constexpr int kPlaneThreads = 512;
 constexpr int kPlaneCols = 4;
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // grid (ceil(W / kPlaneCols), batch_heads), kPlaneThreads threads, 16 n_in
 // bytes of shared memory (n_in = P, or B for the adjoint). inverses[m] =
@@ -312,8 +311,8 @@ cudaError_t LaunchSmatTabulatePlane(int64_t batch_heads, int64_t W, int64_t q,
   // The forward and the adjoint by slopes (smat_tabulate_slopes.cu) where
   // they serve; SMAT_CUDA_TABULATE=lines keeps a line (point) per thread.
   const char* form = std::getenv("SMAT_CUDA_TABULATE");
-  if (SmatTabulateSlopesServes(q) && W % kPlaneCols == 0 && Aligned16(in) && Aligned16(out) &&
-      (form == nullptr || std::strcmp(form, "lines") != 0)) {
+  if (SmatTabulateSlopesServes(q, adjoint) && W % kPlaneCols == 0 && Aligned16(in) &&
+      Aligned16(out) && (form == nullptr || std::strcmp(form, "lines") != 0)) {
     return LaunchSmatTabulateSlopes(batch_heads, W, q, flat_to_type, inverses, adjoint, in, out,
                                     stream);
   }

@@ -23,9 +23,10 @@
 // Per row it loads its Wc points once and adds each to the four lines there;
 // between rows the lines of slope sigma + i move i slots left, i of them from
 // the next lane (one shuffle each), the last lane taking the ring's start from
-// the first. The points of a row are kept in shared memory at slot t(x1) = x1
-// / Wc mod q, so the eight lanes of a column read consecutive 16-byte rows,
-// free of bank conflicts except where the ring wraps.
+// the first. A row of points is kept in shared memory as q + Wc - 1 slots of
+// 16 bytes, x1 = 0 .. q - 1 and then x1 = 0 .. Wc - 2 again, so that a
+// lane's Wc points are consecutive slots whatever the turn: one address a
+// row, the loads at constant offsets from it.
 //
 // Each line sums its points in increasing k, starting from zero, as the CPU
 // (TabulateIncidence) does, so the bits are the CPU's. The lines of e = 1
@@ -41,6 +42,10 @@
 // The adjoint by the same rings (2026-12-06, H100, two rounds against the
 // point per thread of TabulatePlaneKernel): TabulateBackward 2.21-2.26 ->
 // 1.75 ms, the d = 3 forward+backward 14.59-14.66 -> 13.76-14.06 ms.
+// The rows of q slots, x1 at slot x1 / Wc mod q (a wrap and a minimum per
+// load) against the padded rows (2026-12-06, two runs, one binary):
+// Tabulate 1.672-1.683 -> 1.627-1.638 ms, TabulateBackward 1.746-1.756 ->
+// 1.664-1.693 ms, at two blocks per SM instead of three.
 // The field sizes are template arguments so that every ring index is a
 // constant: a register.
 #include <cstdint>
@@ -58,22 +63,18 @@ constexpr int kCols = 4;    // columns per block (one float4 per point)
 
 __host__ __device__ constexpr int SlopeTasks(int q) { return (q + kSlopes - 1) / kSlopes + 1; }
 __host__ __device__ constexpr int SlopeWarps(int q) { return (SlopeTasks(q) + 1) / 2; }
-// 1 / a mod q (q prime): a^(q - 2).
-__host__ __device__ constexpr int InverseMod(int a, int q) {
-  int r = 1;
-  for (int e = 0; e < q - 2; ++e) r = r * a % q;
-  return r;
-}
 // Blocks per SM that the staged rows' shared memory allows (228 KB, 1 KB
 // reserved per block), at most 4: the register budget __launch_bounds__ asks
-// for. rows = q^2 points, or q (q + 1) lines for the adjoint.
+// for. slots = StagedSlots(q, ..).
 __host__ __device__ constexpr int SlopeBlocks(int rows) {
   return 233472 / (16 * rows + 1024) < 1   ? 1
          : 233472 / (16 * rows + 1024) > 4 ? 4
                                            : 233472 / (16 * rows + 1024);
 }
-__host__ __device__ constexpr int StagedRows(int q, bool adjoint) {
-  return adjoint ? q * (q + 1) : q * q;
+// Slots of 16 bytes staged: q rows of points (the adjoint: q + 1 rows of
+// lines), each of q + wc - 1 slots (its first wc - 1 slots again at its end).
+__host__ __device__ constexpr int StagedSlots(int q, int wc, bool adjoint) {
+  return (adjoint ? q + 1 : q) * (q + wc - 1);
 }
 
 // The forward: the lines of slopes sigma .. sigma + kG - 1 over the whole
@@ -89,8 +90,8 @@ __host__ __device__ constexpr int StagedRows(int q, bool adjoint) {
 // by -sigma m at step m (u = sigma m - b) the point (x0, sigma + i) sits at u
 // = -x0 - i m: it moves i places to the left per step, as the forward's lines
 // do, so the shifts are the forward's. Step m loads row e = 1 + m at b = sigma
-// m - u, shared-memory slot t(b) = b / Wc mod q (lanes descending: free of
-// bank conflicts as well).
+// m - u: lane L's lines are the consecutive slots from sigma m - L kWc -
+// (kWc - 1) mod q on, in descending p.
 template <bool kAdjoint, int kWc, int kV, int kG>
 __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int sigma, int sync_row,
                                            const int32_t* __restrict__ flat_to_type,
@@ -101,36 +102,32 @@ __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int si
   const bool last = L == 7;
   const int next = (lane + 4) & 31;  // the lane holding the next kWc ring slots
 
-  // The shared-memory slot of ring slot z = L kWc + p at row k (forward: x1 =
-  // z - sigma k): t = x1 / kWc = t0 + p / kWc (mod q), t0 = L - sigma k / kWc;
-  // at step m (adjoint: b = sigma m - z): t = t0 - p / kWc, t0 = sigma m /
-  // kWc - L. Kept in bytes (16 per slot), the wrap taken as an unsigned
-  // minimum.
-  constexpr int kInv = InverseMod(kWc, kQ);
-  constexpr unsigned kRowBytes = 16u * kQ;
-  unsigned t0 = 16u * (kAdjoint ? (kQ - L) % kQ : L);
-  const unsigned dt = 16u * (kAdjoint ? (sigma * kInv) % kQ : (kQ - (sigma * kInv) % kQ) % kQ);
+  // Ring slot z = L kWc + p at row k (forward: x1 = z - sigma k) is slot t0 +
+  // p of the row, t0 = L kWc - sigma k mod q; at step m (adjoint: b = sigma m
+  // - z) slot t0 + kWc - 1 - p, t0 = sigma m - L kWc - (kWc - 1) mod q. t0 is
+  // kept in bytes (16 per slot), its wrap taken as an unsigned minimum.
+  constexpr unsigned kRowBytes = 16u * (kQ + kWc - 1), kRing = 16u * kQ;
+  unsigned t0 = 16u * (kAdjoint ? (kQ - ((L + 1) * kWc - 1) % kQ) % kQ : L * kWc);
+  const unsigned dt = 16u * (kAdjoint ? sigma % kQ : (kQ - sigma % kQ) % kQ);
   const char* row = reinterpret_cast<const char*>(tab + c);
 
   float acc[kG][kWc];
 #pragma unroll
   for (int i = 0; i < kG; ++i) {
     // The adjoint's first term, e = 0: line b = x1 = sigma + i.
-    const float first =
-        kAdjoint ? *reinterpret_cast<const float*>(row + 16u * (((sigma + i) * kInv) % kQ)) : 0.f;
+    const float first = kAdjoint ? *reinterpret_cast<const float*>(row + 16u * (sigma + i)) : 0.f;
 #pragma unroll
     for (int p = 0; p < kWc; ++p) acc[i][p] = kAdjoint ? 0.f + first : 0.f;
   }
   if (kAdjoint) row += kRowBytes;  // step m = 0 reads row e = 1
 
   auto load_row = [&](float(&x)[kWc]) {
+    const char* at = row + t0;
 #pragma unroll
     for (int p = 0; p < kWc; ++p) {
-      const unsigned off = 16u * (kAdjoint ? (kQ - (p * kInv) % kQ) % kQ : (p * kInv) % kQ);
-      const unsigned t = t0 + off;
-      x[p] = *reinterpret_cast<const float*>(row + min(t, t - kRowBytes));
+      x[p] = *reinterpret_cast<const float*>(at + 16 * (kAdjoint ? kWc - 1 - p : p));
     }
-    t0 = min(t0 + dt, t0 + dt - kRowBytes);
+    t0 = min(t0 + dt, t0 + dt - kRing);
     row += kRowBytes;
   };
 
@@ -195,20 +192,21 @@ __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int si
   }
 }
 
-// grid (W / kCols, batch_heads), 32 SlopeWarps(q) threads, 16 StagedRows(q,
-// kAdjoint) bytes of shared memory. W a multiple of 4, in and out 16-byte
-// aligned.
+// grid (W / kCols, batch_heads), 32 SlopeWarps(q) threads, 16 StagedSlots(q,
+// kWc, kAdjoint) bytes of shared memory. W a multiple of 4, in and out
+// 16-byte aligned.
 template <bool kAdjoint, int kWc, int kV>
 __global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV),
-                                  SlopeBlocks(StagedRows(7 * kWc + kV, kAdjoint)))
+                                  SlopeBlocks(StagedSlots(7 * kWc + kV, kWc, kAdjoint)))
     TabulateSlopesKernel(int64_t W, const int32_t* __restrict__ flat_to_type,
                          const int32_t* __restrict__ inverses, const float* __restrict__ in,
                          float* __restrict__ out) {
   constexpr int kQ = 7 * kWc + kV, kP = kQ * kQ, kB = kQ * (kQ + 1);
   constexpr int kIn = kAdjoint ? kB : kP, kOut = kAdjoint ? kP : kB;
-  constexpr int kThreads = 32 * SlopeWarps(kQ), kInv = InverseMod(kWc, kQ);
-  // [kIn]: point (x0, x1) at x0 q + t(x1); the adjoint's line (e, b) at e q +
-  // t(b).
+  constexpr int kThreads = 32 * SlopeWarps(kQ), kSlotsPerRow = kQ + kWc - 1;
+  // Point (x0, x1) at x0 kSlotsPerRow + x1, and for x1 < kWc - 1 at x0
+  // kSlotsPerRow + q + x1 as well; the adjoint's line (e, b) at e
+  // kSlotsPerRow + b (+ q).
   extern __shared__ float4 tab4[];
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kCols, bh = blockIdx.y;
   const float* src = in + bh * kIn * W + w0;
@@ -226,11 +224,16 @@ __global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV),
          f += kThreads) {
       const int x0 = f / kQ, x1 = f - x0 * kQ;  // the adjoint: e, b
       const int from = kAdjoint ? __ldg(&flat_to_type[f]) : f;
-      const unsigned dst =
-          static_cast<unsigned>(__cvta_generic_to_shared(&tab4[x0 * kQ + (x1 * kInv) % kQ]));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
-                   "l"(src + static_cast<int64_t>(from) * W)
+      const float* from_row = src + static_cast<int64_t>(from) * W;
+      const int slot = x0 * kSlotsPerRow + x1;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&tab4[slot]));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(from_row)
                    : "memory");
+      if (x1 < kWc - 1) {  // again at the row's end
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16u * kQ),
+                     "l"(from_row)
+                     : "memory");
+      }
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
@@ -255,19 +258,15 @@ __global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV),
       }
       continue;
     }
-    // e = 1: line b is point row b, x1 = 0 .. q - 1 at slots t(x1).
-    if constexpr (kAdjoint) continue;
-    for (int b = lane; b < kQ; b += 32) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      const float4* r = tab4 + b * kQ;
-      int t = 0;
-      for (int k = 0; k < kQ; ++k) {
-        Add4(acc, r[t]);
-        t += kInv;
-        if (t >= kQ) t -= kQ;
+    // The forward's e = 1: line b is point row b, x1 = 0 .. q - 1.
+    if constexpr (!kAdjoint) {
+      for (int b = lane; b < kQ; b += 32) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4* r = tab4 + b * kSlotsPerRow;
+        for (int k = 0; k < kQ; ++k) Add4(acc, r[k]);
+        const int h = __ldg(&flat_to_type[kQ + b]);
+        *reinterpret_cast<float4*>(out_bh + static_cast<int64_t>(h) * W) = acc;
       }
-      const int h = __ldg(&flat_to_type[kQ + b]);
-      *reinterpret_cast<float4*>(out_bh + static_cast<int64_t>(h) * W) = acc;
     }
   }
 }
@@ -279,7 +278,7 @@ cudaError_t LaunchSlopes(int64_t batch_heads, int64_t W, const int32_t* flat_to_
   constexpr int kQ = 7 * kWc + kV;
   static_assert(kV >= kSlopes - 1 && kV <= kWc, "the last lane needs kSlopes - 1 ring slots");
   auto kernel = TabulateSlopesKernel<kAdjoint, kWc, kV>;
-  const int smem = static_cast<int>(sizeof(float4)) * StagedRows(kQ, kAdjoint);
+  const int smem = static_cast<int>(sizeof(float4)) * StagedSlots(kQ, kWc, kAdjoint);
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -290,7 +289,8 @@ cudaError_t LaunchSlopes(int64_t batch_heads, int64_t W, const int32_t* flat_to_
 
 // The field sizes served: kWc = ceil(q / 8) and kV = q - 7 kWc >= 3 (so that a
 // shift of up to three slots reads the last lane's own slots), from q = 31 up
-// to 113, the largest whose points fit in shared memory.
+// to 113, the largest whose rows fit in the 227 KB of an H100's or H200's
+// shared memory (the adjoint's: 226.2 KB).
 #define SMAT_SLOPE_FIELDS(X) \
   X(31, 4, 3)                \
   X(47, 6, 5)                \
@@ -312,16 +312,26 @@ cudaError_t LaunchSlopes(int64_t batch_heads, int64_t W, const int32_t* flat_to_
 
 }  // namespace
 
-bool SmatTabulateSlopesServes(int64_t q) {
+bool SmatTabulateSlopesServes(int64_t q, bool adjoint) {
+  int wc = 0;
   switch (q) {
-#define SMAT_SLOPE_CASE(q, wc, v) \
-  case q:                         \
-    return true;
+#define SMAT_SLOPE_CASE(q, c, v) \
+  case q:                        \
+    wc = c;                      \
+    break;
     SMAT_SLOPE_FIELDS(SMAT_SLOPE_CASE)
 #undef SMAT_SLOPE_CASE
     default:
       return false;
   }
+  int device = 0, smem_limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    return false;
+  }
+  const int q32 = static_cast<int>(q);
+  return static_cast<int64_t>(sizeof(float4)) * StagedSlots(q32, wc, adjoint) <= smem_limit;
 }
 
 cudaError_t LaunchSmatTabulateSlopes(int64_t batch_heads, int64_t W, int64_t q,
