@@ -300,9 +300,7 @@ cudaError_t DispatchReads(bool bf16, SmatReadKind kind, const Args&... args) {
               : DispatchReadKind<Launch, float>(kind, args...);
 }
 
-__host__ __device__ inline bool Aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
-}
+using cuda_detail::Aligned16;
 
 }  // namespace fast_tiles
 }  // namespace smat
