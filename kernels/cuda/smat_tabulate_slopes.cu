@@ -45,7 +45,12 @@
 // The rows of q slots, x1 at slot x1 / Wc mod q (a wrap and a minimum per
 // load) against the padded rows (2026-12-06, two runs, one binary):
 // Tabulate 1.672-1.683 -> 1.627-1.638 ms, TabulateBackward 1.746-1.756 ->
-// 1.664-1.693 ms, at two blocks per SM instead of three.
+// 1.664-1.693 ms, at two blocks per SM instead of three. It is then bound by
+// the L1's wavefronts (75.7% of its peak, issue on 61% of the cycles): a lane
+// whose ring part has wrapped past q reads slots q apart from the others', q
+// is odd, and 94% of the loads at q = 67 take two wavefronts. 27% fewer
+// instructions a row (runs of Wc rows unrolled, the frame turned with the
+// middle slope) left the time as it was (PERFORMANCE.md, thirtieth pass).
 // The field sizes are template arguments so that every ring index is a
 // constant: a register.
 #include <cstdint>
