@@ -71,10 +71,10 @@ __host__ __device__ constexpr int SlopeWarps(int q) { return (SlopeTasks(q) + 1)
 // Blocks per SM that the staged rows' shared memory allows (228 KB, 1 KB
 // reserved per block), at most 4: the register budget __launch_bounds__ asks
 // for. slots = StagedSlots(q, ..).
-__host__ __device__ constexpr int SlopeBlocks(int rows) {
-  return 233472 / (16 * rows + 1024) < 1   ? 1
-         : 233472 / (16 * rows + 1024) > 4 ? 4
-                                           : 233472 / (16 * rows + 1024);
+__host__ __device__ constexpr int SlopeBlocks(int slots) {
+  return 233472 / (16 * slots + 1024) < 1   ? 1
+         : 233472 / (16 * slots + 1024) > 4 ? 4
+                                            : 233472 / (16 * slots + 1024);
 }
 // Slots of 16 bytes staged: q rows of points (the adjoint: q + 1 rows of
 // lines), each of q + wc - 1 slots (its first wc - 1 slots again at its end).
