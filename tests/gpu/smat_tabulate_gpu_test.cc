@@ -92,19 +92,17 @@ TEST_F(SmatTabulateGpuTest, MatchesTheCpuBitForBit) {
       for (const char* form : {"", "lines"}) {
         if (*form != '\0' && geo.d != 3) continue;
         ASSERT_EQ(setenv("SMAT_CUDA_TABULATE", form, 1), 0);
-        ExpectSameBits(
-            (name + " Tabulate" + (*form ? std::string(" (") + form + ")" : std::string())).c_str(),
-            {batch, H, g.P, r, p}, {batch, H, g.B, r, p}, seed,
-            [&](SmatKernels& k, const Tensor& F, Tensor* U) {
-              return k.Tabulate(plan, F, U, nullptr);
-            });
-        ExpectSameBits(
-            (name + " TabulateBackward" + (*form ? std::string(" (") + form + ")" : std::string()))
-                .c_str(),
-            {batch, H, g.B, r, p}, {batch, H, g.P, r, p}, seed + 1,
-            [&](SmatKernels& k, const Tensor& U_bar, Tensor* F_bar) {
-              return k.TabulateBackward(plan, U_bar, F_bar, nullptr);
-            });
+        const std::string suffix = *form ? std::string(" (") + form + ")" : std::string();
+        ExpectSameBits((name + " Tabulate" + suffix).c_str(), {batch, H, g.P, r, p},
+                       {batch, H, g.B, r, p}, seed,
+                       [&](SmatKernels& k, const Tensor& F, Tensor* U) {
+                         return k.Tabulate(plan, F, U, nullptr);
+                       });
+        ExpectSameBits((name + " TabulateBackward" + suffix).c_str(), {batch, H, g.B, r, p},
+                       {batch, H, g.P, r, p}, seed + 1,
+                       [&](SmatKernels& k, const Tensor& U_bar, Tensor* F_bar) {
+                         return k.TabulateBackward(plan, U_bar, F_bar, nullptr);
+                       });
       }
       ASSERT_EQ(unsetenv("SMAT_CUDA_TABULATE"), 0);
     }
