@@ -51,6 +51,11 @@
 // is odd, and 94% of the loads at q = 67 take two wavefronts. 27% fewer
 // instructions a row (runs of Wc rows unrolled, the frame turned with the
 // middle slope) left the time as it was (PERFORMANCE.md, thirtieth pass).
+// Each slope's flat_to_type lookups issued before its stores, not a lookup
+// and its dependent store a line in turn (2026-12-06, H100, three binaries
+// alternating): Tabulate 1.625-1.652 -> 1.575-1.577 ms at q = 67, 2.851 ->
+// 2.536 at q = 83, 4.503 -> 4.113 at q = 103, 1.068 -> 1.092 at q = 53
+// (PERFORMANCE.md, thirty-first pass).
 // The field sizes are template arguments so that every ring index is a
 // constant: a register.
 #include <cstdint>
@@ -170,30 +175,36 @@ __device__ __forceinline__ void SlopeGroup(const float* __restrict__ tab, int si
   }
 
   // After row (step) q - 1, ring slot z holds the line j = z + i (q - 1) = z
-  // - i (the point x0 = -z - i (q - 1) = i - z).
+  // - i (the point x0 = -z - i (q - 1) = i - z). The forward looks each
+  // line's row up in flat_to_type. All of a slope's lookups are issued before
+  // its stores, so that the warp waits for one load's latency a slope, not
+  // one a line. The last lane's slots from kV on hold no line: they look up
+  // slot q - 1 and store nothing.
 #pragma unroll
   for (int i = 0; i < kG; ++i) {
     const int s = sigma + i;
-    int64_t row_out = 0;
-    int m = 0, e = 0;
-    if (!kAdjoint) {
-      m = s == 0 ? 0 : __ldg(&inverses[s]);
-      e = s == 0 ? 0 : 1 + m;
+    const int m = kAdjoint || s == 0 ? 0 : __ldg(&inverses[s]);
+    int row_out[kWc];
+#pragma unroll
+    for (int p = 0; p < kWc; ++p) {
+      const int z = min(L * kWc + p, kQ - 1);
+      if (kAdjoint) {
+        const int x0 = i - z < 0 ? i - z + kQ : i - z;
+        row_out[p] = x0 * kQ + s;
+      } else {
+        const int j = z - i < 0 ? z - i + kQ : z - i;
+        const int e = s == 0 ? 0 : 1 + m;
+        const int b = s == 0 ? j : (j * m) % kQ;
+        row_out[p] = __ldg(&flat_to_type[e * kQ + b]);
+      }
     }
 #pragma unroll
     for (int p = 0; p < kWc; ++p) {
-      const int z = L * kWc + p;
-      if (z >= kQ) continue;
-      if (kAdjoint) {
-        const int x0 = i - z < 0 ? i - z + kQ : i - z;
-        row_out = static_cast<int64_t>(x0) * kQ + s;
-      } else {
-        const int j = z - i < 0 ? z - i + kQ : z - i;
-        const int b = s == 0 ? j : (j * m) % kQ;
-        row_out = __ldg(&flat_to_type[e * kQ + b]);
-      }
-      out_bh[row_out * W + c] = acc[i][p];
+      if (L * kWc + p < kQ) out_bh[static_cast<int64_t>(row_out[p]) * W + c] = acc[i][p];
     }
+    // The next slope's lookups after these stores, in the registers of this
+    // slope's row indices.
+    asm volatile("" ::: "memory");
   }
 }
 
