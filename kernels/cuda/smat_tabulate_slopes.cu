@@ -55,7 +55,10 @@
 // and its dependent store a line in turn (2026-12-06, H100, three binaries
 // alternating): Tabulate 1.625-1.652 -> 1.575-1.577 ms at q = 67, 2.851 ->
 // 2.536 at q = 83, 4.503 -> 4.113 at q = 103, 1.068 -> 1.092 at q = 53
-// (PERFORMANCE.md, thirty-first pass).
+// (PERFORMANCE.md, thirty-first pass). The adjoint's staging lookups eight
+// at a time, not one before each copy (another H100, two binaries
+// alternating): TabulateBackward 3.027 -> 2.563 ms at q = 83, 4.696 -> 4.060
+// at q = 103, 1.610-1.612 -> 1.630-1.638 at q = 67, 1.070 -> 1.068 at q = 53.
 // The field sizes are template arguments so that every ring index is a
 // constant: a register.
 #include <cstdint>
@@ -233,22 +236,36 @@ __global__ void __launch_bounds__(32 * SlopeWarps(7 * kWc + kV),
   // as two groups of asynchronous copies: the sums start on the first half
   // (each slope group's first task waits for the second at row (step) kHalf).
   constexpr int kHalf = kQ / 2, kHalfRows = (kAdjoint ? kHalf + 1 : kHalf) * kQ;
+  // The adjoint stages line (e, b) from row flat_to_type[e q + b] of U_bar:
+  // each thread looks up kBatch rows before it issues their copies, so that
+  // it waits for one lookup's latency a batch (a copy's "memory" clobber
+  // keeps the next lookup behind it).
+  constexpr int kBatch = kAdjoint ? 8 : 1;
 #pragma unroll
   for (int stage = 0; stage < 2; ++stage) {
-    const int end = stage == 0 ? kHalfRows : kIn;
-    for (int f = (stage == 0 ? 0 : kHalfRows) + static_cast<int>(threadIdx.x); f < end;
-         f += kThreads) {
-      const int x0 = f / kQ, x1 = f - x0 * kQ;  // the adjoint: e, b
-      const int from = kAdjoint ? __ldg(&flat_to_type[f]) : f;
-      const float* from_row = src + static_cast<int64_t>(from) * W;
-      const int slot = x0 * kSlotsPerRow + x1;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&tab4[slot]));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(from_row)
-                   : "memory");
-      if (x1 < kWc - 1) {  // again at the row's end
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16u * kQ),
-                     "l"(from_row)
+    const int begin = stage == 0 ? 0 : kHalfRows, end = stage == 0 ? kHalfRows : kIn;
+    for (int f0 = begin + static_cast<int>(threadIdx.x); f0 < end; f0 += kBatch * kThreads) {
+      int from[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int f = min(f0 + u * kThreads, end - 1);
+        from[u] = kAdjoint ? __ldg(&flat_to_type[f]) : f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int f = f0 + u * kThreads;
+        if (f >= end) break;
+        const int x0 = f / kQ, x1 = f - x0 * kQ;  // the adjoint: e, b
+        const float* from_row = src + static_cast<int64_t>(from[u]) * W;
+        const int slot = x0 * kSlotsPerRow + x1;
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&tab4[slot]));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(from_row)
                      : "memory");
+        if (x1 < kWc - 1) {  // again at the row's end
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16u * kQ),
+                       "l"(from_row)
+                       : "memory");
+        }
       }
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
