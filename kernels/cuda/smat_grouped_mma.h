@@ -69,4 +69,16 @@ cudaError_t LaunchSmatHeldReadsBf16(const SmatCudaDims& dims, const SmatTokenGro
                                     const void* a, const SmatTokenWeights& w, float* out_p,
                                     bool assign_p, cudaStream_t stream);
 
+// kVecMat (TypeReads) at r = dv = 64 for groups of few tokens
+// (smat_reads_few_bf16.cu): resident blocks that walk the (group, segment,
+// head) items with the next item's matrix and rows on their way. bf16 a,
+// fp32 M, both 16-byte aligned, c <= 128; SMAT_CUDA_READS=tiles declines it.
+// LaunchSmatReadsBf16 runs it where the held kernel's blocks would not hold
+// a whole tile of tokens on average.
+bool SmatFewReadsFit(const SmatCudaDims& dims, const float* M, const void* a);
+cudaError_t LaunchSmatFewReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
+                                   int segments, const float* M, const SmatMatrixLayout& m_layout,
+                                   const void* a, const SmatTokenWeights& w, float* out_p,
+                                   bool assign_p, cudaStream_t stream);
+
 }  // namespace smat

@@ -269,6 +269,13 @@ cudaError_t LaunchWith(const SmatCudaDims& d, const SmatTokenGroups& groups, int
     if (groups.end - groups.begin >= kC * blocks && SmatHeldReadsFit(d, a)) {
       return LaunchSmatHeldReadsBf16(d, groups, segments, M, lay, a, w, out_p, assign_p, stream);
     }
+    // Fewer tokens per block: resident blocks that fetch the next group's
+    // matrix while they multiply (smat_reads_few_bf16.cu). H200, d = 3,
+    // 2026-12-06: TypeReads (=) 0.76 -> 0.54 ms at T = 524288 (58 tokens
+    // per type and head), 1.42 -> 1.06 ms at T = 1048576.
+    if (SmatFewReadsFit(d, M, a)) {
+      return LaunchSmatFewReadsBf16(d, groups, segments, M, lay, a, w, out_p, assign_p, stream);
+    }
     if (d.p % 2 != 0 && groups.end - groups.begin >= kC * blocks) {
       return LaunchKernel<kRead, true, kMP>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
                                             out_v, assign_p, stream);

@@ -43,21 +43,17 @@
 
 #include "kernels/cuda/smat_grouped_mma.h"
 #include "kernels/cuda/smat_reads_bf16.cuh"
+#include "kernels/cuda/smat_reads_held.cuh"
 
 namespace smat {
 namespace {
 
 using namespace reads_bf16;  // NOLINT: the read kernels' shared pieces
+using namespace reads_held;  // NOLINT: the products and column 64, shared
 using mma_tiles::CpAsyncCommit;
 using mma_tiles::CpAsyncWaitOlder;
 
-constexpr int kP = kW + 1;  // M's columns: dv = 64 and the denominator's
-constexpr int kLdY = 68;    // fp32 pitch of a staged output row: the fragments' stores
-                            // (tokens 2 tq, 2 tq + 1 of 8 columns) hit distinct banks
-static_assert(kLdY % 32 == 4 && kLdY >= kP, "conflict-free, a whole row");
 constexpr int kNPerWarp = kC / 2;  // tokens of a tile per warp
-constexpr int kNGroup = 4;         // n8 tiles multiplied between two stores
-constexpr int kKSteps = kW / 16;   // k steps over r
 // Tokens of a group per block: each block stages its matrix once and loads
 // its A fragments once, so fewer, longer blocks pay that less often. H200,
 // bf16, T = 524288, d = 2 (503 tokens per type and head), 8 heads: TypeReads
@@ -140,7 +136,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   // This lane's B address (rows = tokens, k = 8 (lane / 8) ..): one x4 gives
   // an n8 tile's fragments for two k steps.
   const uint32_t b_lane = 2u * ((half * kNPerWarp + (lane & 7)) * kLdT + 8 * (lane >> 3));
-  const int dh = tid & 1;  // which half of a token's column-64 terms this thread sums
 
   int buf = 0;
   for (int64_t j0 = blk.lo; j0 < blk.hi; j0 += kC, buf ^= 1) {
@@ -161,63 +156,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll 1
     for (int n0 = 0; n0 < kNPerWarp; n0 += 8 * kNGroup) {
       if (half * kNPerWarp + n0 >= nt) break;  // uniform over the warp
-      float hi[kNGroup][4], lo[kNGroup][4];
-      cuda_detail::ZeroAcc(hi);
-      cuda_detail::ZeroAcc(lo);
-#pragma unroll
-      for (int j = 0; j < kNGroup; ++j) {
-        uint32_t b[2][4];
-        Ldsm4(b[0], b_addr + 2u * ((n0 + 8 * j) * kLdT));
-        Ldsm4(b[1], b_addr + 2u * ((n0 + 8 * j) * kLdT + 32));
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          const uint32_t b0 = b[ks >> 1][2 * (ks & 1)], b1 = b[ks >> 1][2 * (ks & 1) + 1];
-          if constexpr (kMP == 3) {
-            mma_tiles::Mma3x1(hi[j], lo[j], af[ks], b0, b1);
-          } else {
-            mma_tiles::Mma(hi[j], af[ks][0], b0, b1);
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kNGroup; ++j) {
-        const int t = half * kNPerWarp + n0 + 8 * j + 2 * tq;
-        const float w0 = w[t], w1 = w[t + 1];
-        const int m = 16 * mt + g;
-        ys[t * kLdY + m] = __fmul_rn(w0, hi[j][0] + lo[j][0]);
-        ys[(t + 1) * kLdY + m] = __fmul_rn(w1, hi[j][1] + lo[j][1]);
-        ys[t * kLdY + m + 8] = __fmul_rn(w0, hi[j][2] + lo[j][2]);
-        ys[(t + 1) * kLdY + m + 8] = __fmul_rn(w1, hi[j][3] + lo[j][3]);
-      }
+      StageProducts<kMP>(af, b_addr, n0, half * kNPerWarp, mt, g, tq, w, ys);
     }
-    // Column 64: two threads a token, 32 terms each, the first half's sum
-    // plus the second's.
-    {
-      const int t = tid >> 1;
-      float s = 0.f;
-      if (t < nt) {
-        const uint4* x = reinterpret_cast<const uint4*>(T + t * kLdT + 32 * dh);
-        const float4* mc = reinterpret_cast<const float4*>(mcol + 32 * dh);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const uint4 y = x[u];
-          const uint32_t wds[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            const float4 c = mc[2 * u + e / 2];
-            const float2 f0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wds[e]));
-            const float2 f1 =
-                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wds[e + 1]));
-            s = fmaf(f0.x, c.x, s);
-            s = fmaf(f0.y, c.y, s);
-            s = fmaf(f1.x, c.z, s);
-            s = fmaf(f1.y, c.w, s);
-          }
-        }
-      }
-      const float other = __shfl_xor_sync(0xffffffffu, s, 1);
-      if (dh == 0 && t < nt) ys[t * kLdY + kW] = __fmul_rn(w[t], s + other);
-    }
+    StageDenColumn(T, mcol, w, tid >> 1, nt, ys);
     __syncthreads();  // the tile's outputs are staged
 
     // A row at a time, warp w rows w, w + 8, ..: columns lane, 32 + lane and
