@@ -56,9 +56,9 @@ static_assert(kMFloats % 4 == 0, "M is copied as 16-byte pieces");
 // 16 w .. + 15 for all of the tile's tokens. Shared memory: M (fp32, as in
 // memory), M[:, 64], the staged outputs, then two buffers of token rows (bf16
 // planes), row indices and weights: 54 KB, four blocks per SM. (Tiles of 128
-// tokens, eight warps and two blocks per SM, were slower at every T measured:
-// the products wait on the matrix's arrival, and half as many items are in
-// flight per SM; docs/PERFORMANCE.md, thirty-second pass.)
+// tokens, eight warps and two blocks per SM, were slower at every T measured,
+// likely because half as many items are then in flight per SM to hide the
+// arrival of their matrices; docs/PERFORMANCE.md, thirty-second pass.)
 struct Few {
   static constexpr int kTile = 64;
   static constexpr int kThreads = 2 * kTile;  // two threads a token for column 64
