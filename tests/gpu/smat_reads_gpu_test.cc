@@ -40,12 +40,6 @@ using gpu_test::ToHost;
 
 class SmatReadsGpuTest : public GpuTest {};
 
-std::vector<double> Doubles(const Tensor& host) {
-  std::vector<double> out(static_cast<size_t>(host.numel()));
-  for (int64_t i = 0; i < host.numel(); ++i) out[i] = host.data<float>()[i];
-  return out;
-}
-
 TEST_F(SmatReadsGpuTest, TypeReadsOfFewTokensPerTypeMatchTheCpu) {
   SMAT_ASSERT_OK_AND_ASSIGN(SmatKernels * ck, cpu_->smat());
   SMAT_ASSERT_OK_AND_ASSIGN(SmatKernels * gk, gpu_->smat());
@@ -121,7 +115,7 @@ TEST_F(SmatReadsGpuTest, TypeReadsOfFewTokensPerTypeMatchTheCpu) {
       Tensor out_cpu = HostTensor({b, L, H, kP}, DType::kF32, start);
       SMAT_ASSERT_OK(ck->TypeReads(plan, span, phi_cpu, U, lam, chunk_decay, recent_offset, type,
                                    &out_cpu, write, nullptr));
-      const std::vector<double> ref = Doubles(out_cpu);
+      const std::vector<double> ref = testing_util::ToDouble(out_cpu);
       double recent_max = 0.0;  // the largest read of a recent token
       for (int64_t bb = 0; bb < b; ++bb) {
         for (int64_t e = (bb * L + begin) * H * kP; e < (bb + 1) * L * H * kP; ++e) {
@@ -148,7 +142,7 @@ TEST_F(SmatReadsGpuTest, TypeReadsOfFewTokensPerTypeMatchTheCpu) {
         SMAT_ASSERT_OK(gpu_->Synchronize(nullptr));
         SMAT_ASSERT_OK_AND_ASSIGN(const Tensor out_g, ToHost(*gpu_, out_d));
         SMAT_ASSERT_OK_AND_ASSIGN(const Tensor again_g, ToHost(*gpu_, again_d));
-        const double err = testing_util::MaxRelError(Doubles(out_g), ref);
+        const double err = testing_util::MaxRelError(testing_util::ToDouble(out_g), ref);
         std::printf("  %-56s rel err %.3g (largest read %.3g)\n", what.c_str(), err, recent_max);
         EXPECT_LE(err, smat_gpu_cases::TileTol(true, smat_gpu_cases::kF32Tol)) << what;
         EXPECT_GT(recent_max, 0.5) << what << ": the reads are too small to judge";
