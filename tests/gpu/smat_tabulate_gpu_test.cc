@@ -77,10 +77,11 @@ TEST_F(SmatTabulateGpuTest, MatchesTheCpuBitForBit) {
   };
   // d = 3 up to the benchmark's plane (q = 67: 4489 points, 4556 lines) and
   // beyond (q = 113: 12769 points); q = 2 has lines of two points; q = 31
-  // (4 ring slots a lane, 3 in the last), 53 and 113 (15) take other shapes
-  // of the slopes kernel; d = 2 and d = 4 take the lists.
-  for (const Geo& geo : {Geo{3, 2}, Geo{3, 13}, Geo{3, 31}, Geo{3, 53}, Geo{3, 67}, Geo{3, 113},
-                         Geo{2, 31}, Geo{4, 5}}) {
+  // (4 ring slots a lane, 3 in the last), 53, 83, 103 (the planes of T =
+  // 262144, 1048576 and 2097152) and 113 (15) take other shapes of the slopes
+  // kernel; d = 2 and d = 4 take the lists.
+  for (const Geo& geo : {Geo{3, 2}, Geo{3, 13}, Geo{3, 31}, Geo{3, 53}, Geo{3, 67}, Geo{3, 83},
+                         Geo{3, 103}, Geo{3, 113}, Geo{2, 31}, Geo{4, 5}}) {
     SmatPlan plan;
     SMAT_ASSERT_OK_AND_ASSIGN(plan.geo, MakeGeometry(geo.d, geo.q));
     const SmatGeometry& g = plan.geo;
