@@ -376,6 +376,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t W = static_cast<int64_t>(r) * p;
   StageState<3>(starts + (static_cast<int64_t>(bh) * (ws.seg_d + ws.seg_r) + s) * W, r, p,
                 base + kOffS);
+  // The planes staged: the first chunk's S_in (WriteState, inside StageChunk
+  // before its barrier) reads them in another thread order than StageState
+  // writes them.
+  __syncthreads();
   Block<kFull> bk = MakeBlock<kFull>(base, r, dv);
   const int w = tid >> 5;
   // Query block of warp w: warps w and w + 4 share a scheduler and take

@@ -125,6 +125,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t stride = static_cast<int64_t>(d.H) * kW;
   const bool vec_out = (reinterpret_cast<uintptr_t>(out.o) & 15) == 0;
   const int tdv = 0;  // the lane of the quad that writes den
+  // The planes and z staged: the first chunk's S_in reads them in another
+  // thread order than StagePlanes writes them.
+  __syncthreads();
   int ce = 0;
   for (int k = k0; k < k1; ++k) {
     const int64_t c0 = static_cast<int64_t>(k) * d.chunk;
