@@ -59,6 +59,13 @@
 // at a time, not one before each copy (another H100, two binaries
 // alternating): TabulateBackward 3.027 -> 2.563 ms at q = 83, 4.696 -> 4.060
 // at q = 103, 1.610-1.612 -> 1.630-1.638 at q = 67, 1.070 -> 1.068 at q = 53.
+// Not kept (2026-12-07, H100): the rows streamed through shared memory a
+// batch of four at a time (three batches of copies in flight, a barrier a
+// batch) and held twice over (2 q slots, so that no lane's part wraps and
+// every load takes one wavefront), the slope groups split over two to four
+// blocks: Tabulate 1.509-1.541 -> 1.721-1.943 ms at q = 67, 2.552 -> 3.180
+// at q = 83, TabulateBackward 1.636-1.642 -> 1.754-1.796 (PERFORMANCE.md,
+// thirty-third pass).
 // The field sizes are template arguments so that every ring index is a
 // constant: a register.
 #include <cstdint>
