@@ -20,7 +20,7 @@
 // 16 w .. + 15 over all 64 rows (kMP bf16 planes), here built from the fp32
 // matrix in shared memory once per item; per tile it loads the B fragments
 // of its 64 tokens. The outputs wait in shared memory and leave a row at a
-// time, as the held kernel's do (StoreStagedRows, for four warps).
+// time, as the held kernel's do (StoreStagedRows of smat_reads_held.cuh).
 //
 // Exactness: as smat_reads_held_bf16.cu (the same splits of M, the same
 // MMAs in the same order, the same column-64 chains: the same bits). Each
@@ -106,53 +106,6 @@ __device__ __forceinline__ int64_t NextItem(const SmatTokenGroups& groups, const
     if (it.lo < it.hi) return i;
   }
   return items;
-}
-
-// The staged rows t < nt out: out[rows[t]] (=|+=) ys[t], a row at a time,
-// warp w of kWarps rows w, w + kWarps, ..: columns lane, 32 + lane and
-// (lane 0) 64; the old values (+=) of four rows loaded before their adds.
-// (smat_reads_held_bf16.cu stores its rows the same way with its own eight
-// warps, written out in its kernel.)
-template <int kWarps>
-__device__ __forceinline__ void StoreStagedRows(const int64_t* rows, const float* ys, int nt,
-                                                bool assign, float* __restrict__ out) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (assign) {
-#pragma unroll 4
-    for (int m = warp; m < nt; m += kWarps) {
-      float* o = out + rows[m] * kP;
-      const float* y = ys + m * kLdY;
-      // 0 + y: the bits of old + y with old = 0 (a -0 leaves as +0).
-      o[lane] = 0.f + y[lane];
-      o[32 + lane] = 0.f + y[32 + lane];
-      if (lane == 0) o[kW] = 0.f + y[kW];
-    }
-    return;
-  }
-  for (int m0 = warp; m0 < nt; m0 += 4 * kWarps) {
-    float old[4][3];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int m = m0 + kWarps * u;
-      if (m < nt) {
-        const float* o = out + rows[m] * kP;
-        old[u][0] = o[lane];
-        old[u][1] = o[32 + lane];
-        old[u][2] = lane == 0 ? o[kW] : 0.f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int m = m0 + kWarps * u;
-      if (m < nt) {
-        float* o = out + rows[m] * kP;
-        const float* y = ys + m * kLdY;
-        o[lane] = old[u][0] + y[lane];
-        o[32 + lane] = old[u][1] + y[32 + lane];
-        if (lane == 0) o[kW] = old[u][2] + y[kW];
-      }
-    }
-  }
 }
 
 // dst[t] = bf16 row rows[t] of a (64 wide) for t < nt, zeros for nt <= t <

@@ -7,7 +7,7 @@
 // loads the B fragments of its tokens from a bf16 plane [tokens][kLdT].
 // Column 64 (the denominator column, one of 65) is two 32-term fp32 FMA
 // chains per token, added in a fixed order. The outputs wait in shared
-// memory ([tokens][kLdY] fp32) for the kernels' own row stores.
+// memory ([tokens][kLdY] fp32) and leave a row at a time (StoreStagedRows).
 //
 // Exactness: bf16 a enters the MMAs exactly; M's correction terms are summed
 // smallest first in an accumulator of their own (mma_tiles::Mma3x1); w_i
@@ -102,6 +102,51 @@ __device__ __forceinline__ void StageDenColumn(const __nv_bfloat16* T, const flo
   }
   const float other = __shfl_xor_sync(0xffffffffu, s, 1);
   if (dh == 0 && t < nt) ys[t * kLdY + kW] = __fmul_rn(w[t], s + other);
+}
+
+// The staged rows t < nt out: out[rows[t]] (=|+=) ys[t], a row at a time,
+// warp w of kWarps rows w, w + kWarps, ..: columns lane, 32 + lane and
+// (lane 0) 64; the old values (+=) of four rows loaded before their adds.
+template <int kWarps>
+__device__ __forceinline__ void StoreStagedRows(const int64_t* rows, const float* ys, int nt,
+                                                bool assign, float* __restrict__ out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (assign) {
+#pragma unroll 4
+    for (int m = warp; m < nt; m += kWarps) {
+      float* o = out + rows[m] * kP;
+      const float* y = ys + m * kLdY;
+      // 0 + y: the bits of old + y with old = 0 (a -0 leaves as +0).
+      o[lane] = 0.f + y[lane];
+      o[32 + lane] = 0.f + y[32 + lane];
+      if (lane == 0) o[kW] = 0.f + y[kW];
+    }
+    return;
+  }
+  for (int m0 = warp; m0 < nt; m0 += 4 * kWarps) {
+    float old[4][3];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int m = m0 + kWarps * u;
+      if (m < nt) {
+        const float* o = out + rows[m] * kP;
+        old[u][0] = o[lane];
+        old[u][1] = o[32 + lane];
+        old[u][2] = lane == 0 ? o[kW] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int m = m0 + kWarps * u;
+      if (m < nt) {
+        float* o = out + rows[m] * kP;
+        const float* y = ys + m * kLdY;
+        o[lane] = old[u][0] + y[lane];
+        o[32 + lane] = old[u][1] + y[32 + lane];
+        if (lane == 0) o[kW] = old[u][2] + y[kW];
+      }
+    }
+  }
 }
 
 }  // namespace reads_held

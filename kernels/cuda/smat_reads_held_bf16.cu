@@ -161,45 +161,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     StageDenColumn(T, mcol, w, tid >> 1, nt, ys);
     __syncthreads();  // the tile's outputs are staged
 
-    // A row at a time, warp w rows w, w + 8, ..: columns lane, 32 + lane and
-    // (lane 0) 64; the old values (+=) of four rows loaded before their adds.
-    const int64_t* rw = rows + buf * kC;
-    if (assign) {
-#pragma unroll 4
-      for (int m = warp; m < nt; m += 8) {
-        float* o = out + rw[m] * kP;
-        const float* y = ys + m * kLdY;
-        // 0 + y: the bits of old + y with old = 0 (a -0 leaves as +0).
-        o[lane] = 0.f + y[lane];
-        o[32 + lane] = 0.f + y[32 + lane];
-        if (lane == 0) o[kW] = 0.f + y[kW];
-      }
-    } else {
-      for (int m0 = warp; m0 < nt; m0 += 32) {
-        float old[4][3];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int m = m0 + 8 * u;
-          if (m < nt) {
-            const float* o = out + rw[m] * kP;
-            old[u][0] = o[lane];
-            old[u][1] = o[32 + lane];
-            old[u][2] = lane == 0 ? o[kW] : 0.f;
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int m = m0 + 8 * u;
-          if (m < nt) {
-            float* o = out + rw[m] * kP;
-            const float* y = ys + m * kLdY;
-            o[lane] = old[u][0] + y[lane];
-            o[32 + lane] = old[u][1] + y[32 + lane];
-            if (lane == 0) o[kW] = old[u][2] + y[kW];
-          }
-        }
-      }
-    }
+    // A row at a time, warp w rows w, w + 8, ..; the old values (+=) of four
+    // rows loaded before their adds.
+    StoreStagedRows<kThreads / 32>(rows + buf * kC, ys, nt, assign, out);
     __syncthreads();  // ys, this buffer's rows and planes are free again
   }
 }
