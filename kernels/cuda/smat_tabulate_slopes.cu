@@ -66,6 +66,10 @@
 // blocks: Tabulate 1.509-1.541 -> 1.721-1.943 ms at q = 67, 2.552 -> 3.180
 // at q = 83, TabulateBackward 1.636-1.642 -> 1.754-1.796 (PERFORMANCE.md,
 // thirty-third pass).
+// Not kept (2026-12-07, H200): five or six slopes a group where the last
+// lane's slots allow it (fewer loads per add; more shuffles and registers,
+// a warp fewer a block): Tabulate 1.382-1.385 -> 1.427-1.444 ms at q = 67,
+// 4.177 -> 4.228-4.287 at q = 103 (PERFORMANCE.md, thirty-fourth pass).
 // The field sizes are template arguments so that every ring index is a
 // constant: a register.
 #include <cstdint>
