@@ -46,7 +46,11 @@
 // avoids that, with three parts only in halves, and spills 12-68 bytes at
 // 128 registers: ChunkBackward 3.59-3.63 ms against 3.49-3.54, and 2.95
 // against 2.88 with one part (2026-12-05). Asking L2 for the rows of the
-// block 264 or 528 places on was slower too (3.62-3.81 ms).
+// block 264 or 528 places on was slower too (3.62-3.81 ms). So was a
+// persistent form, 2 x SMs blocks each looping over chunks and copying the
+// next one's tiles and D_bar's rows in beside this one's products (128
+// registers, spills at three parts, two more block barriers a chunk):
+// ChunkBackward 4.03-4.04 ms against 3.91-3.92 on an H100 (2026-12-07).
 #include <cuda_bf16.h>
 
 #include <cstdint>
