@@ -464,19 +464,35 @@ bool WalkSplits(bool has_reads, int kind) {
   return kind == 0;
 }
 
-// The kernel that walks: 0 ChunkWalkKernel, else the SmatWalk of
-// smat_chunk_walk_wgmma.h (where built); and its blocks per SM.
-int WalkKind(bool full, bool keeps_states) {
-#if defined(SMAT_HAVE_SM90A)
-  if (full) return static_cast<int>(SmatWalkChoice(keeps_states));
-#endif
-  return 0;
-}
-constexpr int kWalkRows64 = 2;  // SmatWalk::kWgmma64
+constexpr int kWalkRows64 = 2;     // SmatWalk::kWgmma64
+constexpr int kWalkRows64Tma = 3;  // SmatWalk::kWgmma64 by the bulk copy engine
 #if defined(SMAT_HAVE_SM90A)
 static_assert(kWalkRows64 == static_cast<int>(SmatWalk::kWgmma64), "the kinds' numbers");
 #endif
-int WalkBlocksPerSm(int kind) { return kind == kWalkRows64 ? 4 : 2; }
+
+// The kernel that walks: 0 ChunkWalkKernel, else the SmatWalk of
+// smat_chunk_walk_wgmma.h (where built), kWgmma64 as kWalkRows64Tma where
+// SmatWalk64Tma(d); and its blocks per SM. By default the one-warpgroup walk
+// where it keeps no states, and where it keeps them but adds no reads (d = 1)
+// with the bulk copy engine; ChunkWalkKernel where it keeps the states and
+// adds the reads, the faster measured (docs/PERFORMANCE.md).
+int WalkKind(const SmatCudaDims& d, bool full, bool keeps_states, bool has_reads) {
+#if defined(SMAT_HAVE_SM90A)
+  if (full) {
+    const bool tma = SmatWalk64Tma(d);
+    const SmatWalk w = SmatWalkChoice(!keeps_states || (!has_reads && tma));
+    if (w == SmatWalk::kWgmma64 && tma) return kWalkRows64Tma;
+    return static_cast<int>(w);
+  }
+#endif
+  return 0;
+}
+int WalkBlocksPerSm(int kind) {
+#if defined(SMAT_HAVE_SM90A)
+  if (kind == kWalkRows64Tma) return kWalk64TmaBlocksPerSm;
+#endif
+  return kind == kWalkRows64 ? 4 : 2;
+}
 
 template <bool kFull, int kP>
 cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, int kind,
@@ -505,6 +521,9 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
   // Segments [s0, s1) of the walk in one launch.
   auto walk = [&](int s0, int s1) -> cudaError_t {
 #if defined(SMAT_HAVE_SM90A)
+    if (kFull && kind == kWalkRows64Tma) {
+      return LaunchChunkWalkWgmma64Tma(d, ws, s0, s1, phi, psi, v, starts, S_in, out, kP, stream);
+    }
     if (kFull && kind == kWalkRows64) {
       return LaunchChunkWalkWgmma64(d, ws, s0, s1, phi, psi, v, starts, S_in, out, kP, stream);
     }
@@ -537,7 +556,7 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
 
 int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& d, bool has_reads) {
   int segs = 0;  // the most any walk's plan takes
-  for (int per_sm : {2, 4}) {
+  for (int per_sm : {2, 3, 4}) {
     for (bool split : {false, has_reads}) {
       const WalkSegments ws = PlanWalk(d, DeviceSms(), split, per_sm);
       segs = std::max(segs, ws.seg_d + ws.seg_r);
@@ -556,7 +575,7 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const vo
   const bool vec = d.r % 8 == 0 && d.dv % 8 == 0 && fast_tiles::Aligned16(phi) &&
                    fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v);
   const bool full = vec && d.r == kW && d.dv == kW;
-  const int kind = WalkKind(full, /*keeps_states=*/S_in != nullptr);
+  const int kind = WalkKind(d, full, /*keeps_states=*/S_in != nullptr, reads != nullptr);
   const bool split = WalkSplits(reads != nullptr, kind);
   const WalkSegments ws = PlanWalk(d, DeviceSms(), split, WalkBlocksPerSm(kind));
   const int64_t starts_floats =

@@ -315,11 +315,11 @@ cudaError_t LaunchChunkWalkWgmma(const SmatCudaDims& d, const SmatChunkRuns& ws,
   });
 }
 
-SmatWalk SmatWalkChoice(bool keeps_states) {
+SmatWalk SmatWalkChoice(bool prefer64) {
   const char* env = std::getenv("SMAT_CUDA_CHUNK_TILES");
   const std::string tiles = env != nullptr ? env : "";
   if (tiles == "mma") return SmatWalk::kMma;
-  SmatWalk want = keeps_states ? SmatWalk::kMma : SmatWalk::kWgmma64;
+  SmatWalk want = prefer64 ? SmatWalk::kWgmma64 : SmatWalk::kMma;
   if (tiles == "wgmma") want = SmatWalk::kWgmma;
   if (tiles == "wgmma64") want = SmatWalk::kWgmma64;
   if (want == SmatWalk::kMma) return want;

@@ -254,7 +254,8 @@ TEST_F(SmatOpGpuTest, ForwardWithoutBackwardKeepsNoStates) {
     const std::vector<double> ot = Values(o_train), oi = Values(o_infer);
     EXPECT_GT(MaxAbs(oi), 0.0);
     // Ungated on an H200 the forward without states walks on warpgroup MMAs
-    // and the one that keeps them on mma.sync (SmatWalkChoice), unless
+    // and the one that keeps them, adding the reads at d = 2, on mma.sync
+    // (WalkKind in smat_chunk_walk.cu), unless
     // SMAT_CUDA_CHUNK_TILES takes one kernel for both: then the same bits.
     const char* tiles = std::getenv("SMAT_CUDA_CHUNK_TILES");
     if (gated || (tiles != nullptr && *tiles != '\0')) {
