@@ -66,7 +66,10 @@ using mma_tiles::CpAsync16;
 // -> 4.248-4.251 ms; writing S_in at d = 1 (ChunkStatesAndOutputs) 1.656 ->
 // 1.557-1.561 ms, against 1.613-1.662 ms for ChunkWalkKernel, but at d = 2
 // 1.915-1.917 against 1.869-1.874. So WalkKind takes it at d = 1 for the
-// forward that keeps the states too.
+// forward that keeps the states too. H200, one host, 2026-12-07: SmatForward
+// for inference d = 1 1.323-1.327 -> 1.196-1.221 ms, d = 2 1.992-1.993 ->
+// 1.913-1.944, d = 3 3.764-3.769 -> 3.657-3.688; keeping the states at d = 1
+// 1.513-1.555 -> 1.472-1.500 ms.
 constexpr int kThreads64 = 128;
 constexpr int kRows64 = 64;
 constexpr int kTile64 = kRows64 * wgmma::kRowBytes;  // a piece's token tile, [64][kW] swizzled
