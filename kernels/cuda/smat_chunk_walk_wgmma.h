@@ -16,7 +16,7 @@ namespace smat {
 // and a whole chunk per step (kWgmma), or one warpgroup per block and 64 rows
 // per step, four blocks per SM (kWgmma64; three with the bulk copy engine,
 // SmatWalk64Tma). By default kWgmma64 where `prefer64` (the caller's: where
-// the walk keeps no states, the forward for inference, or where it reads no
+// the walk keeps no states, the forward for inference, or where it adds no
 // reads and has the bulk copy engine), else kMma: the faster there (see the
 // kernels' notes). SMAT_CUDA_CHUNK_TILES (read on every launch) = "mma",
 // "wgmma" or "wgmma64" takes one of them for both (where the device has
