@@ -70,6 +70,12 @@ using mma_tiles::CpAsync16;
 // for inference d = 1 1.323-1.327 -> 1.196-1.221 ms, d = 2 1.992-1.993 ->
 // 1.913-1.944, d = 3 3.764-3.769 -> 3.657-3.688; keeping the states at d = 1
 // 1.513-1.555 -> 1.472-1.500 ms.
+//
+// Not kept (H100, 2026-12-07): each thread's reads loaded into registers
+// just after the state term's and the scores' MMAs are issued (the rows
+// asked of L2 one piece ahead) and added to the state term before the causal
+// products. SmatForward for inference d = 2 2.291-2.305 -> 2.280-2.306 ms,
+// d = 3 4.203-4.209 -> 4.183-4.188: the walk does not wait on those loads.
 constexpr int kThreads64 = 128;
 constexpr int kRows64 = 64;
 constexpr int kTile64 = kRows64 * wgmma::kRowBytes;  // a piece's token tile, [64][kW] swizzled
