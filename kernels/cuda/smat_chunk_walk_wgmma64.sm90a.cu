@@ -62,7 +62,7 @@ using mma_tiles::CpAsync16;
 // zeros (the tensor maps' bounds). 74 KB of shared memory: three blocks per
 // SM. H100, same binary, 2026-12-07 (SMAT_CUDA_WALK_TMA=0 against 1):
 // SmatForward for inference d = 1 1.459-1.502 -> 1.330-1.383 ms, d = 2
-// 2.346 -> 2.333-2.365 ms (it waits on the reads' loads), d = 3 4.250-4.266
+// 2.346 -> 2.333-2.365 ms (not its copies: see below), d = 3 4.250-4.266
 // -> 4.248-4.251 ms; writing S_in at d = 1 (ChunkStatesAndOutputs) 1.656 ->
 // 1.557-1.561 ms, against 1.613-1.662 ms for ChunkWalkKernel, but at d = 2
 // 1.915-1.917 against 1.869-1.874. So WalkKind takes it at d = 1 for the
