@@ -76,6 +76,15 @@ using mma_tiles::CpAsync16;
 // asked of L2 one piece ahead) and added to the state term before the causal
 // products. SmatForward for inference d = 2 2.291-2.305 -> 2.280-2.306 ms,
 // d = 3 4.203-4.209 -> 4.183-4.188: the walk does not wait on those loads.
+// Not kept either (H100, 2026-12-07, docs/PERFORMANCE.md, thirty-eighth
+// pass): with kTma, S_in[k] written while the chunk's first products run,
+// by 16-byte stores (ChunkStatesAndOutputs at d = 1 1.552-1.558 ->
+// 1.566-1.582 ms; at d = 2 1.885 -> 1.870, still behind ChunkWalkKernel's
+// 1.835, so WalkKind keeps that there); and S_in[k + 1]'s columns < kW
+// stored from the update's registers (su) instead of read back from the
+// planes: stores in the fragments' order, eight rows of 4 bytes at 8-byte
+// steps a warp store, took d = 1 from 1.561-1.566 to 1.784-1.792 ms.
+// WriteStateTo's consecutive floats stay.
 constexpr int kThreads64 = 128;
 constexpr int kRows64 = 64;
 constexpr int kTile64 = kRows64 * wgmma::kRowBytes;  // a piece's token tile, [64][kW] swizzled

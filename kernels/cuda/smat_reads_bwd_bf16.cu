@@ -33,7 +33,11 @@
 // adds then leave through shared memory by whole rows (StageScaledRows,
 // AddStagedRows; Nsight Compute had the kernel at 74% of L1 throughput, with
 // 0.55 eligible warps per scheduler): 0.891-0.892 -> 0.856-0.857 ms (2026-12-03,
-// one binary on one host), the same bits. The same four columns a lane for
+// one binary on one host), the same bits. Copying the tile's old phi_bar
+// rows into shared memory by cp.async with its staging instead, so that the
+// adds wait on no load, was 5% slower (H100, 2026-12-07: 0.901 -> 0.947-0.950
+// ms): the block then waits for 32 KB more before its first product. The
+// same four columns a lane for
 // ProfilePoolingBackward's adds by lane pairs swapping halves (no shared
 // memory to spare at three blocks per SM) took it from 0.92 to 3.5 ms: not kept.
 #include <cuda_bf16.h>
