@@ -184,7 +184,8 @@ __device__ __forceinline__ void UpdateState(const Block<kFull>& bk, int mb) {
 // consecutive floats. Storing S_in[k + 1] from UpdateState's registers
 // instead (no reads of the planes; stores in the fragments' order) made
 // ChunkStatesAndOutputs 5% slower at d = 2 (H100, 2026-12-07, 1.833 ->
-// 1.921-1.924 ms).
+// 1.921-1.924 ms); the streaming cache hint on these stores (__stcs) gained
+// nothing (1.824-1.825 -> 1.838-1.843 ms).
 template <bool kFull>
 __device__ __forceinline__ void WriteState(const Block<kFull>& bk, float* __restrict__ out) {
   const int p = bk.p(), n = bk.r() * p;

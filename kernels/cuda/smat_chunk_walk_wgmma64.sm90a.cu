@@ -83,8 +83,10 @@ using mma_tiles::CpAsync16;
 // 1.835, so WalkKind keeps that there); and S_in[k + 1]'s columns < kW
 // stored from the update's registers (su) instead of read back from the
 // planes: stores in the fragments' order, eight rows of 4 bytes at 8-byte
-// steps a warp store, took d = 1 from 1.561-1.566 to 1.784-1.792 ms.
-// WriteStateTo's consecutive floats stay.
+// steps a warp store, took d = 1 from 1.561-1.566 to 1.784-1.792 ms; and
+// WriteStateTo's stores with the streaming cache hint (__stcs) gained
+// nothing (1.552-1.555 -> 1.542-1.556 ms). WriteStateTo's consecutive
+// floats stay as they are.
 constexpr int kThreads64 = 128;
 constexpr int kRows64 = 64;
 constexpr int kTile64 = kRows64 * wgmma::kRowBytes;  // a piece's token tile, [64][kW] swizzled
