@@ -86,7 +86,13 @@ using mma_tiles::CpAsync16;
 // steps a warp store, took d = 1 from 1.561-1.566 to 1.784-1.792 ms; and
 // WriteStateTo's stores with the streaming cache hint (__stcs) gained
 // nothing (1.552-1.555 -> 1.542-1.556 ms). WriteStateTo's consecutive
-// floats stay as they are.
+// floats stay as they are. Nor (H100, 2026-12-07, thirty-ninth pass): the
+// update issued with the causal products as one group (the state rows read
+// once the state term is done, psi's column sums beside it: two groups
+// waited for a piece, not three) and the o rows out by one bulk tensor
+// store: SmatForward for inference d = 1 1.309-1.324 -> 1.288-1.310 ms,
+// d = 2 2.302-2.356 -> 2.314-2.349, d = 3 4.216-4.273 -> 4.210-4.276 (two
+// hosts). With three blocks an SM the others' work fills a block's waits.
 constexpr int kThreads64 = 128;
 constexpr int kRows64 = 64;
 constexpr int kTile64 = kRows64 * wgmma::kRowBytes;  // a piece's token tile, [64][kW] swizzled
