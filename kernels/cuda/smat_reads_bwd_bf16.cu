@@ -37,9 +37,9 @@
 // rows into shared memory by cp.async with its staging instead, so that the
 // adds wait on no load, was 5% slower (H100, 2026-12-07: 0.901 -> 0.947-0.950
 // ms): the block then waits for 32 KB more before its first product. The
-// same four columns a lane for
-// ProfilePoolingBackward's adds by lane pairs swapping halves (no shared
-// memory to spare at three blocks per SM) took it from 0.92 to 3.5 ms: not kept.
+// same four columns a lane for ProfilePoolingBackward's adds by lane pairs
+// swapping halves (no shared memory to spare at three blocks per SM) took it
+// from 0.92 to 3.5 ms: not kept.
 #include <cuda_bf16.h>
 
 #include <cstdint>
