@@ -95,7 +95,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -435,11 +437,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // The segments of a walk over `d`'s span: at most one per block slot of a
-// single wave (per_sm resident per SM), all of the shortest length that fits
-// both parts in those slots, at least kMinWalk chunks (the walk takes as long
-// as its longest segment: 4096 chunks in 33 slots per head walk 125 each,
-// not 128).
-WalkSegments PlanWalk(const SmatCudaDims& d, int sms, bool split, int per_sm) {
+// single wave (per_sm resident per SM), at least kMinWalk chunks each (the
+// walk takes as long as its longest segment: 4096 chunks in 33 slots per
+// head walk 125 each, not 128). In one launch, a recent chunk that adds the
+// reads costs `weight` distant ones, so the recent segments are cut shorter
+// by that ratio, the two lengths the shortest that fit the slots.
+WalkSegments PlanWalk(const SmatCudaDims& d, int sms, bool split, int per_sm, double weight) {
   const int Nd = cuda_detail::DistantChunks(d), Nr = d.Lc - Nd;
   const int64_t bh = static_cast<int64_t>(d.batch) * d.H;
   const int parts = (Nd > 0) + (Nr > 0);
@@ -450,9 +453,35 @@ WalkSegments PlanWalk(const SmatCudaDims& d, int sms, bool split, int per_sm) {
     const int len = std::max(kMinWalk, count(std::max(Nd, Nr), slots));
     return cuda_detail::ChunkRunsOfLength(Nd, d.Lc, len);
   }
+  if (parts < 2 || !(weight > 1.0)) weight = 1.0;
+  auto recent_len = [&](int len) {
+    return std::max(kMinWalk, static_cast<int>(static_cast<double>(len) / weight));
+  };
   int len = std::max(kMinWalk, count(d.Lc, slots));
-  while (count(Nd, len) + count(Nr, len) > slots) ++len;
-  return cuda_detail::ChunkRunsOfLength(Nd, d.Lc, len);
+  while (count(Nd, len) + count(Nr, recent_len(len)) > slots) ++len;
+  return cuda_detail::ChunkRunsOfLengths(Nd, d.Lc, len, recent_len(len));
+}
+
+// What a recent chunk that adds the reads costs the walk, in distant chunks
+// (PlanWalk): SMAT_CUDA_WALK_RECENT_WEIGHT in [1, 4], else
+// kWalkRecentWeightByDefault. Measured on an H100 (docs/PERFORMANCE.md,
+// fortieth pass), the forward for inference at d = 2 took 2.32 ms at 1,
+// 2.24-2.26 at 1.3 to 1.6 and 2.29 at 2.
+constexpr double kWalkRecentWeightByDefault = 1.3;
+double WalkRecentWeight(bool has_reads) {
+  if (!has_reads) return 1.0;
+  const char* env = std::getenv("SMAT_CUDA_WALK_RECENT_WEIGHT");
+  if (env == nullptr || *env == '\0') return kWalkRecentWeightByDefault;
+  char* end = nullptr;
+  const double w = std::strtod(env, &end);
+  if (*end == '\0' && w >= 1.0 && w <= 4.0) return w;
+  static std::once_flag warned;
+  std::call_once(warned, [env] {
+    std::fprintf(stderr,
+                 "smat: SMAT_CUDA_WALK_RECENT_WEIGHT=\"%s\" is not a number in [1, 4]; using %g\n",
+                 env, kWalkRecentWeightByDefault);
+  });
+  return kWalkRecentWeightByDefault;
 }
 
 // Whether the walk of a span with reads runs its two parts as two launches,
@@ -562,7 +591,7 @@ int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& d, bool has_reads) {
   int segs = 0;  // the most any walk's plan takes
   for (int per_sm : {2, 3, 4}) {
     for (bool split : {false, has_reads}) {
-      const WalkSegments ws = PlanWalk(d, DeviceSms(), split, per_sm);
+      const WalkSegments ws = PlanWalk(d, DeviceSms(), split, per_sm, WalkRecentWeight(has_reads));
       segs = std::max(segs, ws.seg_d + ws.seg_r);
     }
   }
@@ -581,7 +610,8 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& d, const void* phi, const vo
   const bool full = vec && d.r == kW && d.dv == kW;
   const int kind = WalkKind(d, full, /*keeps_states=*/S_in != nullptr, reads != nullptr);
   const bool split = WalkSplits(reads != nullptr, kind);
-  const WalkSegments ws = PlanWalk(d, DeviceSms(), split, WalkBlocksPerSm(kind));
+  const WalkSegments ws =
+      PlanWalk(d, DeviceSms(), split, WalkBlocksPerSm(kind), WalkRecentWeight(reads != nullptr));
   const int64_t starts_floats =
       static_cast<int64_t>(d.batch) * d.H * (ws.seg_d + ws.seg_r) * d.r * d.p;
   float* starts = scratch;

@@ -341,11 +341,12 @@ cudaError_t LaunchSmatChunkWalk(const SmatCudaDims& dims, const void* phi, const
 
 // How a span's chunks split into runs of consecutive chunks, each taken by
 // one block (the forward walk's segments, ChunkBackward's runs): the distant
-// chunks [0, N) in seg_d runs, the recent [N, Lc) in seg_r, each of len
-// chunks (the last of each part may hold fewer). cuda_detail::RunChunks gives
-// a run's chunks, ChunkRunsOfLength cuts a span (smat_device.cuh).
+// chunks [0, N) in seg_d runs of len chunks, the recent [N, Lc) in seg_r
+// runs of len_r (the last of each part may hold fewer).
+// cuda_detail::RunChunks gives a run's chunks, ChunkRunsOfLength(s) cuts a
+// span (smat_device.cuh).
 struct SmatChunkRuns {
-  int N = 0, seg_d = 0, seg_r = 0, len = 0;
+  int N = 0, seg_d = 0, seg_r = 0, len = 0, len_r = 0;
 };
 
 // D_bar in two pieces (SmatKernels::ChunkBackward, smat_state_grads.cu): for

@@ -60,23 +60,30 @@ __device__ __forceinline__ void RunChunks(const SmatChunkRuns& rs, int Lc, int s
     *k0 = s * rs.len;
     *k1 = min(rs.N, *k0 + rs.len);
   } else {
-    *k0 = rs.N + (s - rs.seg_d) * rs.len;
-    *k1 = min(Lc, *k0 + rs.len);
+    *k0 = rs.N + (s - rs.seg_d) * rs.len_r;
+    *k1 = min(Lc, *k0 + rs.len_r);
   }
 }
 // The run that holds chunk k.
 __device__ __forceinline__ int RunOf(const SmatChunkRuns& rs, int64_t k) {
-  return k < rs.N ? static_cast<int>(k / rs.len) : rs.seg_d + static_cast<int>((k - rs.N) / rs.len);
+  return k < rs.N ? static_cast<int>(k / rs.len)
+                  : rs.seg_d + static_cast<int>((k - rs.N) / rs.len_r);
 }
-// Runs of len chunks over a span's Lc chunks, of which the first N are
-// distant: each part is cut on its own, so no run crosses n.
-inline SmatChunkRuns ChunkRunsOfLength(int N, int Lc, int len) {
+// Runs over a span's Lc chunks, of which the first N are distant, each part
+// cut on its own (so no run crosses n): the distant one into runs of len
+// chunks, the recent one of len_r.
+inline SmatChunkRuns ChunkRunsOfLengths(int N, int Lc, int len, int len_r) {
   SmatChunkRuns rs;
   rs.N = N;
   rs.len = len;
+  rs.len_r = len_r;
   rs.seg_d = (N + len - 1) / len;
-  rs.seg_r = (Lc - N + len - 1) / len;
+  rs.seg_r = (Lc - N + len_r - 1) / len_r;
   return rs;
+}
+// Runs of len chunks in both parts.
+inline SmatChunkRuns ChunkRunsOfLength(int N, int Lc, int len) {
+  return ChunkRunsOfLengths(N, Lc, len, len);
 }
 // How many of the span's local chunks lie in the distant block [0, n).
 inline int DistantChunks(const SmatCudaDims& d) {

@@ -296,5 +296,50 @@ TEST_F(SmatOpGpuTest, ForwardWithoutBackwardKeepsNoStates) {
   }
 }
 
+// The walk of a forward with reads in one launch (for inference) cuts its
+// recent segments shorter than its distant ones by a weight
+// (SMAT_CUDA_WALK_RECENT_WEIGHT, 1.3 by default; PlanWalk in
+// smat_chunk_walk.cu): at these sizes on 132 SMs (2 x 8 heads, 313 chunks)
+// 14 chunks a segment in both parts at weight 1, 18 and 12 at 1.5. Either way
+// o is as the forward that keeps the states gives it, and the same bits again.
+TEST_F(SmatOpGpuTest, InferenceWalkWithShorterRecentSegments) {
+  ProblemSpec sp = BenchmarkWidths(40000 + 77, /*gated=*/false, /*seed=*/47);
+  sp.batch = 2;
+  sp.H = 8;
+  SMAT_ASSERT_OK_AND_ASSIGN(SmatPlan plan, MakeSmatPlan(sp.T, sp.d, sp.chunk));
+  const SmatReferenceProblem pr = RandomProblem(plan, sp);
+  SMAT_ASSERT_OK_AND_ASSIGN(SmatInputs in, LoadInputs(*gpu_, pr, /*bf16=*/true));
+  SmatForwardOutputs train;
+  SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in, &train));
+  SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_train, ToHost(*gpu_, train.o));
+  const std::vector<double> ot = Values(o_train);
+  for (const char* weight : {"1", "1.5"}) {
+    SCOPED_TRACE(weight);
+    ASSERT_EQ(setenv("SMAT_CUDA_WALK_RECENT_WEIGHT", weight, 1), 0);
+    SmatForwardOutputs infer, again;
+    const absl::Status st1 = SmatForward(*gpu_, plan, in, &infer, nullptr, SmatKeep::kNothing);
+    const absl::Status st2 = SmatForward(*gpu_, plan, in, &again, nullptr, SmatKeep::kNothing);
+    unsetenv("SMAT_CUDA_WALK_RECENT_WEIGHT");
+    SMAT_ASSERT_OK(st1);
+    SMAT_ASSERT_OK(st2);
+    SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_infer, ToHost(*gpu_, infer.o));
+    SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_again, ToHost(*gpu_, again.o));
+    const std::vector<double> oi = Values(o_infer);
+    ASSERT_EQ(oi.size(), ot.size());
+    EXPECT_GT(MaxAbs(oi), 0.0);
+    double err = 0.0;
+    for (size_t j = 0; j < ot.size(); ++j) {
+      err = std::isfinite(oi[j]) ? std::max(err, std::abs(oi[j] - ot[j])) : INFINITY;
+    }
+    err /= std::max(MaxAbs(ot), kGradScaleFloor);
+    std::printf("walk for inference, recent weight %s: o against the forward keeping states %.3g\n",
+                weight, err);
+    // As ForwardWithoutBackwardKeepsNoStates: one bf16 ulp either way.
+    EXPECT_LE(err, TileTol(true, 2 * kBf16OutTol));
+    EXPECT_EQ(std::memcmp(o_again.raw(), o_infer.raw(), o_infer.nbytes()), 0)
+        << "the forward for inference gave other bits when run again";
+  }
+}
+
 }  // namespace
 }  // namespace smat
