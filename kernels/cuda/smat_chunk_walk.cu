@@ -589,9 +589,10 @@ cudaError_t LaunchWalk(const SmatCudaDims& d, bool vec, const WalkSegments& ws, 
 
 int64_t SmatChunkWalkScratchFloats(const SmatCudaDims& d, bool has_reads) {
   int segs = 0;  // the most any walk's plan takes
+  const double weight = WalkRecentWeight(has_reads);
   for (int per_sm : {2, 3, 4}) {
     for (bool split : {false, has_reads}) {
-      const WalkSegments ws = PlanWalk(d, DeviceSms(), split, per_sm, WalkRecentWeight(has_reads));
+      const WalkSegments ws = PlanWalk(d, DeviceSms(), split, per_sm, weight);
       segs = std::max(segs, ws.seg_d + ws.seg_r);
     }
   }
