@@ -296,12 +296,13 @@ TEST_F(SmatOpGpuTest, ForwardWithoutBackwardKeepsNoStates) {
   }
 }
 
-// The walk of a forward with reads in one launch (for inference) cuts its
-// recent segments shorter than its distant ones by a weight
-// (SMAT_CUDA_WALK_RECENT_WEIGHT, 1.3 by default; PlanWalk in
+// The walk of a forward with reads in one launch (SMAT_CUDA_WALK_SPLIT=0, set
+// here for every variant) cuts its recent segments shorter than its distant
+// ones by a weight (SMAT_CUDA_WALK_RECENT_WEIGHT, 1.3 by default; PlanWalk in
 // smat_chunk_walk.cu): at these sizes on 132 SMs (2 x 8 heads, 313 chunks)
 // 14 chunks a segment in both parts at weight 1, 18 and 12 at 1.5. Either way
-// o is as the forward that keeps the states gives it, and the same bits again.
+// o of the forward for inference is as the forward that keeps the states
+// gives it, and the same bits again.
 TEST_F(SmatOpGpuTest, InferenceWalkWithShorterRecentSegments) {
   ProblemSpec sp = BenchmarkWidths(40000 + 77, /*gated=*/false, /*seed=*/47);
   sp.batch = 2;
@@ -313,13 +314,21 @@ TEST_F(SmatOpGpuTest, InferenceWalkWithShorterRecentSegments) {
   SMAT_ASSERT_OK(SmatForward(*gpu_, plan, in, &train));
   SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_train, ToHost(*gpu_, train.o));
   const std::vector<double> ot = Values(o_train);
+  const char* split_env = std::getenv("SMAT_CUDA_WALK_SPLIT");
+  const std::string split_before = split_env != nullptr ? split_env : "";
   for (const char* weight : {"1", "1.5"}) {
     SCOPED_TRACE(weight);
     ASSERT_EQ(setenv("SMAT_CUDA_WALK_RECENT_WEIGHT", weight, 1), 0);
+    ASSERT_EQ(setenv("SMAT_CUDA_WALK_SPLIT", "0", 1), 0);
     SmatForwardOutputs infer, again;
     const absl::Status st1 = SmatForward(*gpu_, plan, in, &infer, nullptr, SmatKeep::kNothing);
     const absl::Status st2 = SmatForward(*gpu_, plan, in, &again, nullptr, SmatKeep::kNothing);
     unsetenv("SMAT_CUDA_WALK_RECENT_WEIGHT");
+    if (split_env != nullptr) {
+      setenv("SMAT_CUDA_WALK_SPLIT", split_before.c_str(), 1);
+    } else {
+      unsetenv("SMAT_CUDA_WALK_SPLIT");
+    }
     SMAT_ASSERT_OK(st1);
     SMAT_ASSERT_OK(st2);
     SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_infer, ToHost(*gpu_, infer.o));
