@@ -79,7 +79,11 @@
 // 1.694 -> 1.644-1.647 ms, SmatForward keeping the states 2.258-2.272 ->
 // 2.213-2.223 ms (d = 3: 5.003 -> 4.939). The walks on warpgroup MMAs stay in
 // one launch: the forward for inference took 2.020-2.054 ms so and
-// 2.046-2.077 split. (The nineteenth pass had split only the distant part
+// 2.046-2.077 split; with the recent segments weighed (PlanWalk), on an H100
+// (2026-12-07), 2.257-2.261 ms in one launch and 2.311-2.318 split (d = 3
+// 4.12-4.14 and 4.21-4.23). Where it keeps the states, ChunkWalkKernel in one
+// weighed launch was within 1% of the two, the spread of the runs, so it
+// stays split. (The nineteenth pass had split only the distant part
 // off, half a wave at one block per SM beside the side stream's reads: 2.23
 // -> 2.37-2.56 ms, see above.)
 //
