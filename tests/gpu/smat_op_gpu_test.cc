@@ -315,7 +315,8 @@ TEST_F(SmatOpGpuTest, InferenceWalkWithShorterRecentSegments) {
   SMAT_ASSERT_OK_AND_ASSIGN(Tensor o_train, ToHost(*gpu_, train.o));
   const std::vector<double> ot = Values(o_train);
   const char* split_env = std::getenv("SMAT_CUDA_WALK_SPLIT");
-  const std::string split_before = split_env != nullptr ? split_env : "";
+  const bool had_split = split_env != nullptr;  // the variant's, restored after each forward
+  const std::string split_before = had_split ? split_env : "";
   for (const char* weight : {"1", "1.5"}) {
     SCOPED_TRACE(weight);
     ASSERT_EQ(setenv("SMAT_CUDA_WALK_RECENT_WEIGHT", weight, 1), 0);
@@ -324,7 +325,7 @@ TEST_F(SmatOpGpuTest, InferenceWalkWithShorterRecentSegments) {
     const absl::Status st1 = SmatForward(*gpu_, plan, in, &infer, nullptr, SmatKeep::kNothing);
     const absl::Status st2 = SmatForward(*gpu_, plan, in, &again, nullptr, SmatKeep::kNothing);
     unsetenv("SMAT_CUDA_WALK_RECENT_WEIGHT");
-    if (split_env != nullptr) {
+    if (had_split) {
       setenv("SMAT_CUDA_WALK_SPLIT", split_before.c_str(), 1);
     } else {
       unsetenv("SMAT_CUDA_WALK_SPLIT");
