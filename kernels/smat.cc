@@ -242,10 +242,11 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   // The division's Jacobian (Appendix E), the chunks' state gradients
   // (eq. 19), their suffix scan and the chunk tiles: in one call where the
   // backend has one, else four phases. The tiles cover every token, so they
-  // write the three gradients (no zeroing before, nothing read back) and the
-  // long-range branch adds to them. The one call writes gbar's column dv
-  // alone where the backend takes the rest from d_o and den (gden), else gbar
-  // in full.
+  // write the three gradients (no zeroing before) and the long-range branch
+  // adds to them; or, where the backend's one call runs the branch before
+  // its tiles, the branch writes its rows and the tiles add to those. The one
+  // call writes gbar's column dv alone where the backend takes the rest from
+  // d_o and den (gden), else gbar in full.
   Tensor dlam_row;
   if (gated) {
     SMAT_ASSIGN_OR_RETURN(dlam_row, Alloc(backend, {d.batch, d.L, d.H}));
@@ -254,13 +255,48 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
   SMAT_ASSIGN_OR_RETURN(grads->phi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->psi, Alloc(backend, {d.batch, d.L, d.H, d.r}));
   SMAT_ASSIGN_OR_RETURN(grads->v, Alloc(backend, {d.batch, d.L, d.H, d.dv}));
+  auto full_gbar = [&]() { return Alloc(backend, {d.batch, d.L, d.H, d.p}); };
+  Tensor gbar, gden;
+
+  // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar (U_bar itself
+  // where C is the identity), gather to tokens (nothing to carry without
+  // tokens on both sides of n). With gbar's column dv alone, the per-type
+  // reads' adjoint takes the rest from d_o and den, or gbar is formed in full
+  // for it where the backend has no such path.
+  auto long_range = [&](SmatWrite write) -> absl::Status {
+    SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
+    bool read = false;
+    if (gden.defined()) {
+      SMAT_ASSIGN_OR_RETURN(
+          read, k->TypeReadsBackwardFromFactors(plan, span, in.phi, sv.U, d_o, sv.den, gden, sv.lam,
+                                                sv.chunk_decay, Tensor(), in.type, &grads->phi,
+                                                &U_bar, write, stream));
+      if (!read) {
+        SMAT_ASSIGN_OR_RETURN(gbar, full_gbar());
+        SMAT_RETURN_IF_ERROR(
+            k->NormalizeBackward(d_o, fwd.o, sv.den, in.eps, &gbar, nullptr, stream));
+      }
+    }
+    if (!read) {
+      SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
+                                                sv.chunk_decay, Tensor(), in.type, &grads->phi,
+                                                &U_bar, write, stream));
+    }
+    Tensor F_bar = U_bar;
+    if (!plan.geo.IncidenceIsIdentity()) {
+      SMAT_ASSIGN_OR_RETURN(F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
+      SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
+    }
+    return k->ProfilePoolingBackward(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, Tensor(),
+                                     in.prof, F_bar, &grads->psi, &grads->v, write, stream);
+  };
+  SmatLongRangeBackward branch;
+  if (SmatHasLongRange(plan)) branch = long_range;
   auto chunk_backward = [&](Tensor* g) {
     return k->ChunkBackward(plan, span, d_o, fwd.o, sv.den, in.eps, in.phi, in.psi, in.v, sv.lam,
                             sv.chunk_decay, sv.S_in, g, gated ? &dlam_row : nullptr, &grads->phi,
-                            &grads->psi, &grads->v, stream);
+                            &grads->psi, &grads->v, branch, stream);
   };
-  auto full_gbar = [&]() { return Alloc(backend, {d.batch, d.L, d.H, d.p}); };
-  Tensor gbar, gden;
   SMAT_ASSIGN_OR_RETURN(gden, Alloc(backend, {d.batch, d.L, d.H}));
   SMAT_ASSIGN_OR_RETURN(bool fused, chunk_backward(&gden));
   if (!fused) {
@@ -280,40 +316,7 @@ absl::Status SmatBackward(Backend& backend, SmatKernels& kernels, const SmatPlan
     SMAT_RETURN_IF_ERROR(k->ChunkOutputsBackward(
         plan, span, in.phi, in.psi, in.v, sv.lam, sv.chunk_decay, sv.S_in, gbar, D_bar, &grads->phi,
         &grads->psi, &grads->v, SmatWrite::kAssign, stream));
-  }
-
-  // Long-range branch, eq. 18: U_bar by type, F_bar = C^T U_bar (U_bar itself
-  // where C is the identity), gather to tokens (nothing to carry without
-  // tokens on both sides of n). With gbar's column dv alone, the per-type
-  // reads' adjoint takes the rest from d_o and den, or gbar is formed in full
-  // for it where the backend has no such path.
-  if (SmatHasLongRange(plan)) {
-    SMAT_ASSIGN_OR_RETURN(Tensor U_bar, Alloc(backend, {d.batch, d.H, B, d.r, d.p}));
-    bool read = false;
-    if (gden.defined()) {
-      SMAT_ASSIGN_OR_RETURN(
-          read, k->TypeReadsBackwardFromFactors(plan, span, in.phi, sv.U, d_o, sv.den, gden, sv.lam,
-                                                sv.chunk_decay, Tensor(), in.type, &grads->phi,
-                                                &U_bar, stream));
-      if (!read) {
-        SMAT_ASSIGN_OR_RETURN(gbar, full_gbar());
-        SMAT_RETURN_IF_ERROR(
-            k->NormalizeBackward(d_o, fwd.o, sv.den, in.eps, &gbar, nullptr, stream));
-      }
-    }
-    if (!read) {
-      SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.U, gbar, sv.lam,
-                                                sv.chunk_decay, Tensor(), in.type, &grads->phi,
-                                                &U_bar, stream));
-    }
-    Tensor F_bar = U_bar;
-    if (!plan.geo.IncidenceIsIdentity()) {
-      SMAT_ASSIGN_OR_RETURN(F_bar, Alloc(backend, {d.batch, d.H, P, d.r, d.p}));
-      SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
-    }
-    SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, sv.lam, sv.chunk_decay,
-                                                   Tensor(), in.prof, F_bar, &grads->psi, &grads->v,
-                                                   stream));
+    if (branch) SMAT_RETURN_IF_ERROR(branch(SmatWrite::kAdd));
   }
 
   // Gates last: dL/dLambda needs the complete psi_bar.

@@ -91,6 +91,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -132,6 +133,13 @@ absl::Status ValidateSmatSpan(const SmatPlan& plan, const SmatSpan& span);
 // every element the phase covers (=), so the caller need not zero it first
 // and the phase reads nothing back.
 enum class SmatWrite { kAdd, kAssign };
+
+// The long-range branch of the backward (B2-B4: the per-type reads' adjoint,
+// the tabulation's, the pooling's) as the composer runs it, writing phi_bar's
+// recent rows and psi_bar's and v_bar's distant rows in the given mode. It
+// runs on the stream of the ChunkBackward call that is handed it, with gbar's
+// column dv (or gbar) already written (see ChunkBackward).
+using SmatLongRangeBackward = std::function<absl::Status(SmatWrite write)>;
 
 class SmatKernels {
  public:
@@ -330,17 +338,20 @@ class SmatKernels {
   //   phi_bar_t += gate_t U[type(t)] gbar_t;
   //   U_bar[h] = sum_{recent t in span, type(t) = h} gate_t phi_t gbar_t^T
   //   (written, the span's part; the composer all-reduces it).
+  //   With SmatWrite::kAssign, phi_bar_t = that read for every recent t of the
+  //   span (0 where t reads nothing: n = 0, or a content type out of range);
+  //   distant rows are untouched either way.
   virtual absl::Status TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
-                                         const Tensor& phi,            // [batch, L, H, r]
-                                         const Tensor& U,              // [batch, H, B, r, p]
-                                         const Tensor& gbar,           // [batch, L, H, p]
-                                         const Tensor& lam,            // [batch, L, H] or undefined
-                                         const Tensor& chunk_decay,    // [batch, Lc, H] or undefined
+                                         const Tensor& phi,          // [batch, L, H, r]
+                                         const Tensor& U,            // [batch, H, B, r, p]
+                                         const Tensor& gbar,         // [batch, L, H, p]
+                                         const Tensor& lam,          // [batch, L, H] or undefined
+                                         const Tensor& chunk_decay,  // [batch, Lc, H] or undefined
                                          const Tensor& recent_offset,  // [batch, H] or undefined
-                                         const Tensor& type,           // [batch, L, H] int32 or undefined
-                                         Tensor* phi_bar,              // [batch, L, H, r] (+=)
-                                         Tensor* U_bar,                // [batch, H, B, r, p]
-                                         Stream* stream) = 0;
+                                         const Tensor& type,  // [batch, L, H] int32 or undefined
+                                         Tensor* phi_bar,  // [batch, L, H, r] (+= or =, as write)
+                                         Tensor* U_bar,    // [batch, H, B, r, p]
+                                         SmatWrite write, Stream* stream) = 0;
 
   // B2 with gbar by its factors (B1): gbar_t[0:dv] = d_o_t / den_t and
   //   gbar_t[dv] = gden_t, so that gbar need not be written in full (the
@@ -360,9 +371,9 @@ class SmatKernels {
       const Tensor& chunk_decay,    // [batch, Lc, H] or undefined
       const Tensor& recent_offset,  // [batch, H] or undefined
       const Tensor& type,           // [batch, L, H] int32 or undefined
-      Tensor* phi_bar,              // [batch, L, H, r] (+=)
+      Tensor* phi_bar,              // [batch, L, H, r] (+= or =, as write)
       Tensor* U_bar,                // [batch, H, B, r, p]
-      Stream* stream) {
+      SmatWrite write, Stream* stream) {
     return false;
   }
 
@@ -376,6 +387,9 @@ class SmatKernels {
   //   Zbar_s = w_s F_bar[prof(s)], w_s = exp(Lambda_{n-1} - Lambda_s)
   //   = exp(distant_tail_decay + (sum of logg over (s, distant_end))):
   //   psi_bar_s += Zbar_s vbar_s, v_bar_s += (Zbar_s^T psi_s)[0:dv].
+  //   With SmatWrite::kAssign, = for every distant s of the span (0 where s
+  //   pools into nothing: a content profile out of range); recent rows are
+  //   untouched either way.
   virtual absl::Status ProfilePoolingBackward(
       const SmatPlan& plan, const SmatSpan& span,
       const Tensor& psi,                 // [batch, L, H, r]
@@ -385,9 +399,9 @@ class SmatKernels {
       const Tensor& distant_tail_decay,  // [batch, H] or undefined (0)
       const Tensor& prof,                // [batch, L, H] int32 or undefined
       const Tensor& F_bar,               // [batch, H, P, r, p]
-      Tensor* psi_bar,                   // [batch, L, H, r] (+=)
-      Tensor* v_bar,                     // [batch, L, H, dv] (+=)
-      Stream* stream) = 0;
+      Tensor* psi_bar,                   // [batch, L, H, r] (+= or =, as write)
+      Tensor* v_bar,                     // [batch, L, H, dv] (+= or =, as write)
+      SmatWrite write, Stream* stream) = 0;
 
   // B5. Gradient of the chunks' incoming states (eq. 19, gated):
   //   S_in_bar[k] = sum_{t in chunk k} exp(lam[t]) phi_t gbar_t^T.
@@ -447,6 +461,15 @@ class SmatKernels {
   //   inputs: the composer then runs the four phases. The results agree with
   //   the phases' within their tolerances (the state gradients are summed in
   //   another order) and repeat bit for bit.
+  //   long_range (may be empty): where the call returns true it has run
+  //   long_range exactly once on `stream`, either long_range(kAssign) after
+  //   gbar is written and before B7, which then adds to the rows it wrote
+  //   (phi_bar's recent rows, psi_bar's and v_bar's distant ones) and writes
+  //   the others, so that those rows are read back once, by B7, where a
+  //   backend's B7 can take the loads beside its products; or
+  //   long_range(kAdd) after B7. Either way the gradients are the tiles' plus
+  //   the long-range branch's, each element summed once in fp32: the same
+  //   values in either order. Where it returns false it has run nothing.
   virtual absl::StatusOr<bool> ChunkBackward(
       const SmatPlan& plan, const SmatSpan& span,
       const Tensor& d_o,  // [batch, L, H, dv]
@@ -464,7 +487,7 @@ class SmatKernels {
       Tensor* phi_bar,            // [batch, L, H, r] (=)
       Tensor* psi_bar,            // [batch, L, H, r] (=)
       Tensor* v_bar,              // [batch, L, H, dv] (=)
-      Stream* stream) {
+      const SmatLongRangeBackward& long_range, Stream* stream) {
     return false;
   }
 

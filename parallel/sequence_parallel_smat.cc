@@ -418,7 +418,7 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
   if (long_range) {
     SMAT_RETURN_IF_ERROR(k->TypeReadsBackward(plan, span, in.phi, sv.local.U, gbar, lam, cd,
                                               sv.recent_offset, in.type, &grads->phi, &U_bar,
-                                              stream));
+                                              SmatWrite::kAdd, stream));
     SMAT_ASSIGN_OR_RETURN(U_bar_comm, CommBuffer(backend, comm, U_bar, stream));
     SMAT_ASSIGN_OR_RETURN(table, comm.StartAllReduce(U_bar_comm, comm.default_timeout()));
   }
@@ -444,9 +444,9 @@ absl::Status SequenceParallelSmatBackward(Backend& backend, Communicator& comm,
       SMAT_ASSIGN_OR_RETURN(F_bar, EmptyOn(backend, {b, H, plan.geo.P, r, p}));
       SMAT_RETURN_IF_ERROR(k->TabulateBackward(plan, U_bar, &F_bar, stream));
     }
-    SMAT_RETURN_IF_ERROR(k->ProfilePoolingBackward(plan, span, in.psi, in.v, lam, cd,
-                                                   sv.distant_tail_decay, in.prof, F_bar,
-                                                   &grads->psi, &grads->v, stream));
+    SMAT_RETURN_IF_ERROR(
+        k->ProfilePoolingBackward(plan, span, in.psi, in.v, lam, cd, sv.distant_tail_decay, in.prof,
+                                  F_bar, &grads->psi, &grads->v, SmatWrite::kAdd, stream));
   }
 
   if (gated) {

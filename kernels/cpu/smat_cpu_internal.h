@@ -132,15 +132,14 @@ class CpuSmatKernels final : public SmatKernels {
                                  const Tensor& U, const Tensor& gbar, const Tensor& lam,
                                  const Tensor& chunk_decay, const Tensor& recent_offset,
                                  const Tensor& type, Tensor* phi_bar, Tensor* U_bar,
-                                 Stream* stream) override;
+                                 SmatWrite write, Stream* stream) override;
   absl::Status TabulateBackward(const SmatPlan& plan, const Tensor& U_bar, Tensor* F_bar,
                                 Stream* stream) override;
-  absl::Status ProfilePoolingBackward(const SmatPlan& plan, const SmatSpan& span,
-                                      const Tensor& psi, const Tensor& v, const Tensor& lam,
-                                      const Tensor& chunk_decay,
+  absl::Status ProfilePoolingBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& psi,
+                                      const Tensor& v, const Tensor& lam, const Tensor& chunk_decay,
                                       const Tensor& distant_tail_decay, const Tensor& prof,
                                       const Tensor& F_bar, Tensor* psi_bar, Tensor* v_bar,
-                                      Stream* stream) override;
+                                      SmatWrite write, Stream* stream) override;
   absl::Status ChunkStateGradients(const SmatPlan& plan, const SmatSpan& span,
                                    const Tensor& phi, const Tensor& gbar, const Tensor& lam,
                                    Tensor* S_in_bar, Stream* stream) override;

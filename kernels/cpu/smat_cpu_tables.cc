@@ -3,6 +3,7 @@
 // profile (distant) or type (recent) so each group is one dense product with
 // its table entry: pooling F_x = Psi_x^T diag(w) Vbar_x, reads Phi_h U_h;
 // gated per Lemma 4 by scaling one side with exp(sums of gates).
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -49,6 +50,15 @@ void ScatterAddRows(const SpanDims& s, const std::vector<float>& src, int64_t sr
   for (int64_t k = 0; k < g; ++k) {
     float* d = dst + s.Tok(b, idx[k], h) * ld;
     for (int64_t c = 0; c < width; ++c) d[c] += src[k * src_width + c];
+  }
+}
+
+// Rows [i0, i1) of every (b, h) of dst ([batch, L, H, width]) set to 0.
+void ZeroRows(const SpanDims& s, int64_t i0, int64_t i1, int64_t width, Tensor* dst) {
+  if (i0 >= i1) return;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    float* first = dst->data<float>() + s.Tok(b, i0, 0) * width;
+    std::fill(first, first + (i1 - i0) * s.H * width, 0.f);
   }
 }
 
@@ -110,13 +120,8 @@ absl::Status CpuSmatKernels::TypeReads(const SmatPlan& plan, const SmatSpan& spa
   SMAT_RETURN_IF_ERROR(CheckOptionalF32(recent_offset, {s.batch, s.H}, "recent_offset"));
   SMAT_RETURN_IF_ERROR(CheckOptionalI32(type, {s.batch, s.L, s.H}, "type"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(ybar, {s.batch, s.L, s.H, s.p}, "ybar"));
-  if (write == SmatWrite::kAssign) {
-    // The recent rows start from 0; rows that read nothing stay 0.
-    for (int64_t b = 0; b < s.batch; ++b) {
-      float* first = ybar->data<float>() + s.Tok(b, s.id, 0) * s.p;
-      std::fill(first, first + (s.L - s.id) * s.H * s.p, 0.f);
-    }
-  }
+  // The recent rows start from 0; rows that read nothing stay 0.
+  if (write == SmatWrite::kAssign) ZeroRows(s, s.id, s.L, s.p, ybar);
   if (s.id == s.L || plan.n == 0) return absl::OkStatus();  // no recent token reads U
   HeadGates g;
   TokenGroups groups;
@@ -145,12 +150,10 @@ absl::Status CpuSmatKernels::TypeReads(const SmatPlan& plan, const SmatSpan& spa
   return absl::OkStatus();
 }
 
-absl::Status CpuSmatKernels::TypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
-                                               const Tensor& phi, const Tensor& U,
-                                               const Tensor& gbar, const Tensor& lam,
-                                               const Tensor& chunk_decay,
-                                               const Tensor& recent_offset, const Tensor& type,
-                                               Tensor* phi_bar, Tensor* U_bar, Stream* stream) {
+absl::Status CpuSmatKernels::TypeReadsBackward(
+    const SmatPlan& plan, const SmatSpan& span, const Tensor& phi, const Tensor& U,
+    const Tensor& gbar, const Tensor& lam, const Tensor& chunk_decay, const Tensor& recent_offset,
+    const Tensor& type, Tensor* phi_bar, Tensor* U_bar, SmatWrite write, Stream* stream) {
   SMAT_ASSIGN_OR_RETURN(SpanDims s, MakeSpanDims(plan, span, phi, "phi"));
   s.r = phi.rank() == 4 ? phi.dim(3) : 0;
   s.p = U.defined() && U.rank() == 5 ? U.dim(4) : 0;
@@ -165,6 +168,7 @@ absl::Status CpuSmatKernels::TypeReadsBackward(const SmatPlan& plan, const SmatS
   SMAT_RETURN_IF_ERROR(CheckOptionalI32(type, {s.batch, s.L, s.H}, "type"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(phi_bar, {s.batch, s.L, s.H, s.r}, "phi_bar"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(U_bar, {s.batch, s.H, B, s.r, s.p}, "U_bar"));
+  if (write == SmatWrite::kAssign) ZeroRows(s, s.id, s.L, s.r, phi_bar);  // then added to
   HeadGates g;
   TokenGroups groups;
   std::vector<float> phi_g, g_g, tmp;
@@ -201,10 +205,13 @@ absl::Status CpuSmatKernels::TypeReadsBackward(const SmatPlan& plan, const SmatS
   return absl::OkStatus();
 }
 
-absl::Status CpuSmatKernels::ProfilePoolingBackward(
-    const SmatPlan& plan, const SmatSpan& span, const Tensor& psi, const Tensor& v,
-    const Tensor& lam, const Tensor& chunk_decay, const Tensor& distant_tail_decay,
-    const Tensor& prof, const Tensor& F_bar, Tensor* psi_bar, Tensor* v_bar, Stream* stream) {
+absl::Status CpuSmatKernels::ProfilePoolingBackward(const SmatPlan& plan, const SmatSpan& span,
+                                                    const Tensor& psi, const Tensor& v,
+                                                    const Tensor& lam, const Tensor& chunk_decay,
+                                                    const Tensor& distant_tail_decay,
+                                                    const Tensor& prof, const Tensor& F_bar,
+                                                    Tensor* psi_bar, Tensor* v_bar, SmatWrite write,
+                                                    Stream* stream) {
   SMAT_ASSIGN_OR_RETURN(SpanDims s, MakeSpanDims(plan, span, psi, "psi"));
   s.r = psi.rank() == 4 ? psi.dim(3) : 0;
   s.dv = v.defined() && v.rank() == 4 ? v.dim(3) : 0;
@@ -220,6 +227,10 @@ absl::Status CpuSmatKernels::ProfilePoolingBackward(
   SMAT_RETURN_IF_ERROR(CheckF32(F_bar, {s.batch, s.H, P, s.r, s.p}, "F_bar"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(psi_bar, {s.batch, s.L, s.H, s.r}, "psi_bar"));
   SMAT_RETURN_IF_ERROR(CheckOutF32(v_bar, {s.batch, s.L, s.H, s.dv}, "v_bar"));
+  if (write == SmatWrite::kAssign) {  // then added to
+    ZeroRows(s, 0, s.id, s.r, psi_bar);
+    ZeroRows(s, 0, s.id, s.dv, v_bar);
+  }
   HeadGates g;
   TokenGroups groups;
   std::vector<float> vbar_g, psi_g, tmp;

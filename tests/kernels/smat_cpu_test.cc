@@ -4,9 +4,11 @@
 // and tables against direct double sums; argument errors; determinism.
 #include "kernels/cpu/smat_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -343,7 +345,8 @@ TEST(SmatCpuTest, BackwardPhaseTablesMatchDirectSums) {
     Tensor U_bar = ToF32(std::vector<double>(g.B * r * p), {1, 1, g.B, r, p});
     ASSERT_TRUE(k->TypeReadsBackward(*plan, span, in.phi, fwd.saved.U, gbar, fwd.saved.lam,
                                      fwd.saved.chunk_decay, Tensor(), in.type, &phi_bar, &U_bar,
-                                     nullptr).ok());
+                                     SmatWrite::kAdd, nullptr)
+                    .ok());
     ASSERT_GT(MaxAbs(Ub_ref), 0.0);
     EXPECT_LT(MaxRelError(ToDouble(U_bar), Ub_ref), kGradTol);
     Tensor F_bar = ToF32(std::vector<double>(g.P * r * p), {1, 1, g.P, r, p});
@@ -405,6 +408,100 @@ TEST(SmatCpuTest, ChunkOutputsBackwardWritesOrAdds) {
     std::vector<double> minus(x.size());
     for (size_t j = 0; j < x.size(); ++j) minus[j] = added[i][j] - static_cast<float>(x[j]);
     EXPECT_LT(MaxRelError(minus, set[i]), 1e-5);
+  }
+}
+
+// The long-range branch's adjoints with SmatWrite::kAssign write their rows
+// (TypeReadsBackward phi_bar's recent ones, ProfilePoolingBackward psi_bar's
+// and v_bar's distant ones) from NaN-filled outputs, equal to kAdd from zeros
+// bit for bit, and leave the others as they were; kAdd adds to what is there.
+// Positional and content maps, gated and not.
+TEST(SmatCpuTest, LongRangeBackwardWritesOrAdds) {
+  for (const bool content : {false, true}) {
+    SCOPED_TRACE(content ? "content maps" : "positional maps");
+    const ProblemSpec s{.batch = 2,
+                        .T = 163,
+                        .H = 2,
+                        .r = 7,
+                        .dv = 5,
+                        .d = 2,
+                        .chunk = 16,
+                        .gated = content,
+                        .content = content,
+                        .seed = 31};
+    auto plan = MakeSmatPlan(s.T, s.d, s.chunk);
+    ASSERT_TRUE(plan.ok());
+    SmatReferenceProblem pr = RandomProblem(*plan, s);
+    RoundToF32(&pr);
+    absl::StatusOr<CpuForward> fwd_run = RunCpuForward(*plan, pr);
+    ASSERT_TRUE(fwd_run.ok()) << fwd_run.status();
+    SmatKernels* k = fwd_run->k.get();
+    const SmatInputs& in = fwd_run->in;
+    const SmatSaved& sv = fwd_run->fwd.saved;
+    const SmatSpan span = SmatSpan::Whole(*plan);
+    const int64_t b = s.batch, T = s.T, H = s.H, r = s.r, dv = s.dv, p = dv + 1, n = plan->n;
+    ASSERT_GT(n, 0);
+    ASSERT_LT(n, T);
+    const Tensor gbar = ToF32(RandomVector(b * T * H * p, 32), {b, T, H, p});
+    const Tensor F_bar =
+        ToF32(RandomVector(b * H * plan->geo.P * r * p, 33), {b, H, plan->geo.P, r, p});
+    // Each phase from `start` (one vector per output), its outputs back.
+    auto reads = [&](SmatWrite write, const std::vector<std::vector<double>>& start) {
+      Tensor phi_bar = ToF32(start[0], {b, T, H, r});
+      Tensor U_bar =
+          ToF32(std::vector<double>(b * H * plan->geo.B * r * p), {b, H, plan->geo.B, r, p});
+      const absl::Status st =
+          k->TypeReadsBackward(*plan, span, in.phi, sv.U, gbar, sv.lam, sv.chunk_decay, Tensor(),
+                               in.type, &phi_bar, &U_bar, write, nullptr);
+      EXPECT_TRUE(st.ok()) << st;
+      return std::vector<std::vector<double>>{ToDouble(phi_bar)};
+    };
+    auto pooling = [&](SmatWrite write, const std::vector<std::vector<double>>& start) {
+      Tensor psi_bar = ToF32(start[0], {b, T, H, r});
+      Tensor v_bar = ToF32(start[1], {b, T, H, dv});
+      const absl::Status st =
+          k->ProfilePoolingBackward(*plan, span, in.psi, in.v, sv.lam, sv.chunk_decay, Tensor(),
+                                    in.prof, F_bar, &psi_bar, &v_bar, write, nullptr);
+      EXPECT_TRUE(st.ok()) << st;
+      return std::vector<std::vector<double>>{ToDouble(psi_bar), ToDouble(v_bar)};
+    };
+    using Phase = std::function<std::vector<std::vector<double>>(
+        SmatWrite, const std::vector<std::vector<double>>&)>;
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    auto check = [&](const char* name, const Phase& phase, std::vector<int64_t> widths,
+                     bool recent) {
+      SCOPED_TRACE(name);
+      std::vector<std::vector<double>> nans, zeros, xs;
+      for (size_t i = 0; i < widths.size(); ++i) {
+        nans.emplace_back(b * T * H * widths[i], nan);
+        zeros.emplace_back(b * T * H * widths[i], 0.0);
+        xs.push_back(RandomVector(b * T * H * widths[i], 40 + static_cast<int>(i)));
+      }
+      const auto set = phase(SmatWrite::kAssign, nans);
+      const auto from_zero = phase(SmatWrite::kAdd, zeros);
+      const auto added = phase(SmatWrite::kAdd, xs);
+      for (size_t i = 0; i < widths.size(); ++i) {
+        const int64_t w = widths[i];
+        double written_max = 0;
+        for (int64_t e = 0; e < b * T * H * w; ++e) {
+          const int64_t t = (e / (H * w)) % T;
+          const bool mine = recent ? t >= n : t < n;
+          if (!mine) {
+            ASSERT_TRUE(std::isnan(set[i][e])) << "row " << t << " outside the phase was written";
+            ASSERT_EQ(added[i][e], static_cast<float>(xs[i][e])) << "row " << t;
+            continue;
+          }
+          ASSERT_TRUE(std::isfinite(set[i][e])) << "row " << t << " was not written";
+          ASSERT_EQ(set[i][e], from_zero[i][e]) << "row " << t;
+          const double sum = static_cast<double>(static_cast<float>(xs[i][e])) + set[i][e];
+          ASSERT_NEAR(added[i][e], sum, 1e-6 * (1.0 + std::abs(sum))) << "row " << t;
+          written_max = std::max(written_max, std::abs(set[i][e]));
+        }
+        EXPECT_GT(written_max, 0.0);
+      }
+    };
+    check("TypeReadsBackward", reads, {r}, /*recent=*/true);
+    check("ProfilePoolingBackward", pooling, {r, dv}, /*recent=*/false);
   }
 }
 

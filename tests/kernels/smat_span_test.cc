@@ -262,7 +262,8 @@ void CheckSpansEqualWhole(const ProblemSpec& s, const std::vector<int64_t>& cuts
     Tensor Ub = F32({batch, H, B, r, p});
     ASSERT_TRUE(k.TypeReadsBackward(plan, st.span, st.in.phi, U, gbar[i], st.lam, st.cd,
                                     s.gated ? st.recent_offset : Tensor(), st.in.type, &phib[i],
-                                    &Ub, nullptr).ok());
+                                    &Ub, SmatWrite::kAdd, nullptr)
+                    .ok());
     ASSERT_TRUE(AllFinite(Ub));
     for (int64_t w = 0; w < Ub.numel(); ++w) U_bar.data<float>()[w] += Ub.data<float>()[w];
     Sbar[i] = F32({batch, Lc, H, r, p});
@@ -316,8 +317,9 @@ void CheckSpansEqualWhole(const ProblemSpec& s, const std::vector<int64_t>& cuts
                                        SmatWrite::kAdd, nullptr)
                     .ok());
     ASSERT_TRUE(k.ProfilePoolingBackward(plan, st.span, st.in.psi, st.in.v, st.lam, st.cd,
-                                         s.gated ? st.tail : Tensor(), st.in.prof, F_bar,
-                                         &psib[i], &vb[i], nullptr).ok());
+                                         s.gated ? st.tail : Tensor(), st.in.prof, F_bar, &psib[i],
+                                         &vb[i], SmatWrite::kAdd, nullptr)
+                    .ok());
   }
   std::vector<double> dphi, dpsi, dv_spans, dlogg;
   for (size_t i = 0; i < R.size(); ++i) {
