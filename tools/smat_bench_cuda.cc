@@ -389,18 +389,20 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     // The order of SmatBackward (kernels/smat.cc): gbar, the state gradients,
     // their scan and the chunk tiles in one call where the backend has one
     // (ChunkBackward, writing gbar's column dv alone where the backend takes
-    // the rest from d_o and den, else gbar), else as the phases below; then
-    // the long-range phases add to the gradients the tiles wrote.
+    // the rest from d_o and den, else gbar), which runs the long-range branch
+    // too, before its tiles (the branch writing, the tiles adding) or after
+    // them (adding), else as the phases below and the branch after them.
     bool column_only = true;
-    auto chunk_backward = [&]() -> absl::StatusOr<bool> {
+    SmatLongRangeBackward branch;  // set below where there is a long-range part
+    auto chunk_backward = [&](const SmatLongRangeBackward& lr) -> absl::StatusOr<bool> {
       return k->ChunkBackward(plan, span, d_o, o, den, eps, phi, psi, v, lam, cd, S_in,
                               column_only ? &gden : &gbar, cfg.gated ? &dlam_row : nullptr,
-                              &phi_bar, &psi_bar, &v_bar, nullptr);
+                              &phi_bar, &psi_bar, &v_bar, lr, nullptr);
     };
-    SMAT_ASSIGN_OR_RETURN(bool fused_backward, chunk_backward());
+    SMAT_ASSIGN_OR_RETURN(bool fused_backward, chunk_backward(SmatLongRangeBackward()));
     if (!fused_backward) {
       column_only = false;
-      SMAT_ASSIGN_OR_RETURN(fused_backward, chunk_backward());
+      SMAT_ASSIGN_OR_RETURN(fused_backward, chunk_backward(SmatLongRangeBackward()));
     }
     std::vector<Phase> four;
     four.push_back({"NormalizeBackwardStates",
@@ -431,62 +433,98 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
                                                      D_bar, &phi_bar, &psi_bar, &v_bar,
                                                      SmatWrite::kAssign, nullptr);
                     }});
-    if (fused_backward) {
-      // Its bytes: the first pass's (gbar, D_bar's local part) and B7's;
-      // with bf16 d_o, B7 reads d_o, den and gbar[:, dv] instead of gbar, and
-      // the first pass writes gbar's column dv alone.
-      const double b7_gbar = cfg.do_dtype == DType::kBF16 ? dv * es_do + 8 : p * 4;
-      const double gbar_out = column_only ? 4 : p * 4;
-      bwd.push_back({"ChunkBackward",
-                     N * (dv * (es_do + es) + 8 + gbar_out + 4 + r * es) + NC * W * 4 + b7_bytes -
-                         N * p * 4 + N * b7_gbar,
-                     4 * N * dv + 2 * N * W + b7_flops, [&]() -> absl::Status {
-                       SMAT_ASSIGN_OR_RETURN(const bool ran, chunk_backward());
-                       if (!ran) return absl::InternalError("ChunkBackward did not run");
-                       return absl::OkStatus();
-                     }});
-    } else {
-      bwd.insert(bwd.end(), four.begin(), four.end());
-    }
+    // Its bytes: the first pass's (gbar, D_bar's local part) and B7's; with
+    // bf16 d_o, B7 reads d_o, den and gbar[:, dv] instead of gbar, and the
+    // first pass writes gbar's column dv alone.
+    const double b7_gbar = cfg.do_dtype == DType::kBF16 ? dv * es_do + 8 : p * 4;
+    const double gbar_out = column_only ? 4 : p * 4;
+    const Phase chunk_phase{"ChunkBackward",
+                            N * (dv * (es_do + es) + 8 + gbar_out + 4 + r * es) + NC * W * 4 +
+                                b7_bytes - N * p * 4 + N * b7_gbar,
+                            4 * N * dv + 2 * N * W + b7_flops, [&]() -> absl::Status {
+                              SMAT_ASSIGN_OR_RETURN(const bool ran,
+                                                    chunk_backward(SmatLongRangeBackward()));
+                              if (!ran) return absl::InternalError("ChunkBackward did not run");
+                              return absl::OkStatus();
+                            }};
+    // The long-range branch, in the mode `lr_write` says. Its phases' bytes
+    // leave out the read-back of the rows they add to (+=), counted below.
+    SmatWrite lr_write = SmatWrite::kAdd;
+    std::vector<Phase> lr;
     // The reads' gradients from gbar's factors (d_o, den and gbar's column
     // dv) where the backend takes them so, else, as SmatBackward does, from
     // the whole gbar formed first: asked once here, before the timing.
     auto reads_by_factors = [&]() -> absl::StatusOr<bool> {
       return k->TypeReadsBackwardFromFactors(plan, span, phi, U, d_o, den, gden, lam, cd, Tensor(),
-                                             Tensor(), &phi_bar, &U_bar, nullptr);
+                                             Tensor(), &phi_bar, &U_bar, lr_write, nullptr);
     };
     bool by_factors = false;
     if (long_range && fused_backward && column_only) {
       SMAT_ASSIGN_OR_RETURN(by_factors, reads_by_factors());
     }
     if (by_factors) {
-      bwd.push_back({"TypeReadsBackward", nr * (r * es + dv * es_do + 8 + r * 8) + BH * Bt * W * 8,
-                     4 * nr * W, [&]() -> absl::Status {
-                       SMAT_ASSIGN_OR_RETURN(const bool ran, reads_by_factors());
-                       if (!ran)
-                         return absl::InternalError("TypeReadsBackward by factors did not run");
-                       return absl::OkStatus();
-                     }});
+      lr.push_back({"TypeReadsBackward", nr * (r * es + dv * es_do + 8 + r * 4) + BH * Bt * W * 8,
+                    4 * nr * W, [&]() -> absl::Status {
+                      SMAT_ASSIGN_OR_RETURN(const bool ran, reads_by_factors());
+                      if (!ran)
+                        return absl::InternalError("TypeReadsBackward by factors did not run");
+                      return absl::OkStatus();
+                    }});
     } else if (long_range) {
-      if (column_only) bwd.push_back(two.front());  // the whole gbar, as SmatBackward forms it
-      bwd.push_back(
-          {"TypeReadsBackward", nr * (r * es + p * 4 + r * 8) + BH * Bt * W * 8, 4 * nr * W, [&] {
+      if (column_only) lr.push_back(two.front());  // the whole gbar, as SmatBackward forms it
+      lr.push_back(
+          {"TypeReadsBackward", nr * (r * es + p * 4 + r * 4) + BH * Bt * W * 8, 4 * nr * W, [&] {
              return k->TypeReadsBackward(plan, span, phi, U, gbar, lam, cd, Tensor(), Tensor(),
-                                         &phi_bar, &U_bar, nullptr);
+                                         &phi_bar, &U_bar, lr_write, nullptr);
            }});
     }
     if (long_range) {
       if (tabulate) {
-        bwd.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
-                       [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});
+        lr.push_back({"TabulateBackward", BH * (P + Bt) * W * 4, BH * nnz * W,
+                      [&] { return k->TabulateBackward(plan, U_bar, &F_bar, nullptr); }});
       }
       const Tensor* gathered = tabulate ? &F_bar : &U_bar;
-      bwd.push_back({"ProfilePoolingBackward", nd * ((r + dv) * es + (r + dv) * 8) + BH * P * W * 4,
-                     4 * nd * W, [&, gathered] {
-                       return k->ProfilePoolingBackward(plan, span, psi, v, lam, cd, Tensor(),
-                                                        Tensor(), *gathered, &psi_bar, &v_bar,
-                                                        nullptr);
+      lr.push_back({"ProfilePoolingBackward", nd * ((r + dv) * es + (r + dv) * 4) + BH * P * W * 4,
+                    4 * nd * W, [&, gathered] {
+                      return k->ProfilePoolingBackward(plan, span, psi, v, lam, cd, Tensor(),
+                                                       Tensor(), *gathered, &psi_bar, &v_bar,
+                                                       lr_write, nullptr);
+                    }});
+      branch = [&](SmatWrite write) -> absl::Status {
+        lr_write = write;
+        for (const Phase& ph : lr) SMAT_RETURN_IF_ERROR(ph.run());
+        return absl::OkStatus();
+      };
+    }
+    // The read-back of the += rows (phi_bar's recent ones, psi_bar's and
+    // v_bar's distant ones), counted once: by the branch, or by B7 where it
+    // adds to what the branch wrote.
+    const double lr_readback = nr * r * 4 + nd * (r + dv) * 4;
+    double lr_bytes = lr_readback, lr_flops = 0;
+    for (const Phase& ph : lr) {
+      lr_bytes += ph.bytes;
+      lr_flops += ph.flops;
+    }
+    // Where the branch adds after the phases: their read-back in their bytes.
+    std::vector<Phase> lr_adding = lr;
+    for (Phase& ph : lr_adding) {
+      if (ph.name == "TypeReadsBackward") ph.bytes += nr * r * 4;
+      if (ph.name == "ProfilePoolingBackward") ph.bytes += nd * (r + dv) * 4;
+    }
+    if (fused_backward && long_range) {
+      bwd.push_back({"ChunkBackward+long-range", chunk_phase.bytes + lr_bytes,
+                     chunk_phase.flops + lr_flops, [&]() -> absl::Status {
+                       SMAT_ASSIGN_OR_RETURN(const bool ran, chunk_backward(branch));
+                       if (!ran) return absl::InternalError("ChunkBackward did not run");
+                       return absl::OkStatus();
                      }});
+    } else {
+      if (fused_backward) {
+        bwd.push_back(chunk_phase);
+      } else {
+        bwd.insert(bwd.end(), four.begin(), four.end());
+      }
+      bwd.insert(bwd.end(), lr_adding.begin(), lr_adding.end());
     }
     if (cfg.gated) {
       bwd.push_back({"LogDecayBackward", N * (r * es + r * 4 + 12), 2 * N * r, [&] {
@@ -497,6 +535,23 @@ absl::Status RunSmatBenchCuda(Backend& gpu, const SmatBenchConfig& cfg, int64_t 
     std::vector<double> bwd_ms;
     SMAT_RETURN_IF_ERROR(TimeChain(gpu, bwd, warmup, reps, &bwd_ms, &bwd_total));
     PrintTable("backward", bwd, bwd_ms, bwd_total, ceil);
+    if (fused_backward && long_range) {
+      // For the shares: ChunkBackward alone, then the branch adding (+=), as
+      // the op issued them before it ran the branch first; and the branch
+      // alone, writing (=).
+      std::vector<Phase> pieces = {chunk_phase};
+      pieces.insert(pieces.end(), lr_adding.begin(), lr_adding.end());
+      std::vector<double> pieces_ms;
+      double pieces_total = 0;
+      lr_write = SmatWrite::kAdd;
+      SMAT_RETURN_IF_ERROR(TimeChain(gpu, pieces, warmup, reps, &pieces_ms, &pieces_total));
+      PrintTable("backward, branch after", pieces, pieces_ms, pieces_total, ceil);
+      std::vector<double> lr_ms;
+      double lr_total = 0;
+      lr_write = SmatWrite::kAssign;
+      SMAT_RETURN_IF_ERROR(TimeChain(gpu, lr, warmup, reps, &lr_ms, &lr_total));
+      PrintTable("long-range branch (=)", lr, lr_ms, lr_total, ceil);
+    }
     std::vector<double> two_ms;
     double two_total = 0;
     SMAT_RETURN_IF_ERROR(TimeChain(gpu, two, warmup, reps, &two_ms, &two_total));

@@ -127,7 +127,10 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/cuda/smat_chunk_bwd_mma.cuh"
@@ -634,15 +637,44 @@ bool SmatChunkBackwardFusedFits(const SmatCudaDims& d) {
   return SmatDeviceRunsMma(kSmemBytes<3>);  // the larger of the two
 }
 
+bool SmatLongRangeFirst() {
+  const char* env = std::getenv("SMAT_CUDA_LONG_RANGE_FIRST");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) return true;
+  if (std::strcmp(env, "0") == 0) return false;
+  static std::once_flag warned;
+  std::call_once(warned, [env] {
+    std::fprintf(stderr, "smat: SMAT_CUDA_LONG_RANGE_FIRST=\"%s\" is not 0 or 1; using 1\n", env);
+  });
+  return true;
+}
+
+bool SmatChunkBackwardTilesAdd(const SmatCudaDims& d, const void* phi, const void* psi,
+                               const void* v, const float* lam, const void* d_o, const float* S_in,
+                               const float* phi_bar, const float* psi_bar, const float* v_bar) {
+#if defined(SMAT_HAVE_SM90A)
+  return lam == nullptr && d.r == kW && d.dv == kW && d.chunk <= kC && fast_tiles::Aligned16(phi) &&
+         fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v) && fast_tiles::Aligned16(d_o) &&
+         fast_tiles::Aligned16(S_in) && Aligned8(phi_bar) && Aligned8(psi_bar) && Aligned8(v_bar) &&
+         SmatChunkBackwardOnWgmma();
+#else
+  return false;
+#endif
+}
+
 cudaError_t LaunchSmatChunkOutputsBackwardFused(
     const SmatCudaDims& d, const void* phi, const void* psi, const void* v, const float* lam,
     const float* chunk_decay, const float* S_in, const float* gbar, const float* D_bar,
     float* phi_bar, float* psi_bar, float* v_bar, bool assign, cudaStream_t stream,
-    const SmatDBarCarry* carry, const SmatGbarFactors* factors) {
+    const SmatDBarCarry* carry, const SmatGbarFactors* factors, const SmatChunkBackwardAdds* adds) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
   const SmatDBarCarry dc = carry != nullptr ? *carry : SmatDBarCarry();
   const bool by_factors = factors != nullptr && factors->d_o != nullptr && factors->den != nullptr;
   const SmatGbarFactors gf = by_factors ? *factors : SmatGbarFactors();
+  // B7 on warpgroup MMAs, the one that adds to some rows and writes others.
+  const bool on_wgmma =
+      by_factors && assign &&
+      SmatChunkBackwardTilesAdd(d, phi, psi, v, lam, gf.d_o, S_in, phi_bar, psi_bar, v_bar);
+  if (adds != nullptr && !on_wgmma) return cudaErrorInvalidValue;
   auto launch = [&](auto gated, auto write, auto by_do) {
     return mma_tiles::WithSplitParts(SmatBf16SplitParts(), [&](auto parts) {
       return LaunchGated<decltype(gated)::value, decltype(write)::value, decltype(parts)::value,
@@ -654,12 +686,10 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(
   using No = std::false_type;
   // The factors come with ChunkBackward, which writes its outputs.
 #if defined(SMAT_HAVE_SM90A)
-  if (by_factors && assign && lam == nullptr && d.r == kW && d.dv == kW && d.chunk <= kC &&
-      fast_tiles::Aligned16(phi) && fast_tiles::Aligned16(psi) && fast_tiles::Aligned16(v) &&
-      fast_tiles::Aligned16(gf.d_o) && fast_tiles::Aligned16(S_in) && Aligned8(phi_bar) &&
-      Aligned8(psi_bar) && Aligned8(v_bar) && SmatChunkBackwardOnWgmma()) {
+  if (on_wgmma) {
     return LaunchChunkBackwardWgmma(d, phi, psi, v, S_in, gbar, D_bar, phi_bar, psi_bar, v_bar, dc,
-                                    gf, SmatBf16SplitParts(), stream);
+                                    gf, adds != nullptr ? *adds : SmatChunkBackwardAdds(),
+                                    SmatBf16SplitParts(), stream);
   }
 #endif
   if (by_factors && assign) {

@@ -18,12 +18,13 @@ bool SmatChunkBackwardOnWgmma();
 // B7 as LaunchSmatChunkOutputsBackwardFused with assign and `factors`, for
 // lam == nullptr, r = dv = 64, c <= 128, bf16 rows (phi, psi, v, d_o) 16-byte
 // aligned, S_in 16-byte aligned and the outputs 8-byte aligned; `parts` as
-// SmatBf16SplitParts.
+// SmatBf16SplitParts. The rows `adds` names are added to, the others written.
 cudaError_t LaunchChunkBackwardWgmma(const SmatCudaDims& d, const void* phi, const void* psi,
                                      const void* v, const float* S_in, const float* gbar,
                                      const float* D_bar, float* phi_bar, float* psi_bar,
                                      float* v_bar, const SmatDBarCarry& carry,
-                                     const SmatGbarFactors& factors, int parts,
+                                     const SmatGbarFactors& factors,
+                                     const SmatChunkBackwardAdds& adds, int parts,
                                      cudaStream_t stream);
 
 }  // namespace smat

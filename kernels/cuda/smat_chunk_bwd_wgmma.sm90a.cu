@@ -162,18 +162,36 @@ __device__ __forceinline__ void TileChain(const Ctx& cx, uint32_t own, uint32_t 
 }
 
 // Rows m0 + (the thread's two rows) of out (token rows of kW floats), those
-// below ce, from acc.
+// below ce, from acc: written, or added to where the row's token c0 + m is in
+// [add_lo, add_hi).
 __device__ __forceinline__ void StoreTile(const Ctx& cx, const SmatCudaDims& d, int b, int h,
                                           int64_t c0, int ce, int m0, const float (&acc)[8][4],
-                                          float* __restrict__ out) {
+                                          int64_t add_lo, int64_t add_hi, float* __restrict__ out) {
+  float* o[2];
+  bool add[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = m0 + 16 * cx.wi + cx.g + 8 * hr;
+    o[hr] = out + TokenRow(d, b, c0 + (m < ce ? m : 0), h) * kW + 2 * cx.tq;
+    add[hr] = m < ce && c0 + m >= add_lo && c0 + m < add_hi;
+  }
+  float2 old[2][8];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      old[hr][j] =
+          add[hr] ? *reinterpret_cast<const float2*>(o[hr] + 8 * j) : make_float2(0.f, 0.f);
+    }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int m = m0 + 16 * cx.wi + cx.g + 8 * hr;
     if (m >= ce) continue;
-    float* o = out + TokenRow(d, b, c0 + m, h) * kW + 2 * cx.tq;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      *reinterpret_cast<float2*>(o + 8 * j) = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
+      *reinterpret_cast<float2*>(o[hr] + 8 * j) =
+          add[hr] ? make_float2(old[hr][j].x + acc[j][2 * hr], old[hr][j].y + acc[j][2 * hr + 1])
+                  : make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
     }
   }
 }
@@ -182,7 +200,8 @@ __device__ __forceinline__ void StoreTile(const Ctx& cx, const SmatCudaDims& d, 
 // query blocks I >= J, X^T[s, t] = (vbar_s . gbar_t) times phi_t.
 template <int kP>
 __device__ __forceinline__ void KeyPsi(const Ctx& cx, const SmatCudaDims& d, int b, int h,
-                                       int64_t c0, int ce, int J, float* __restrict__ psi_bar) {
+                                       int64_t c0, int ce, int J, int64_t add_before,
+                                       float* __restrict__ psi_bar) {
   float acc[8][4];
   TileChain<kP, 0>(
       cx, kOffV + J * kHalf, kOffDo, kOffPhi, J, cx.nb - 1, acc,
@@ -202,14 +221,14 @@ __device__ __forceinline__ void KeyPsi(const Ctx& cx, const SmatCudaDims& d, int
             sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
           }
       });
-  StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, psi_bar);
+  StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, 0, add_before, psi_bar);
 }
 
 // v_bar rows of 64-token block J: D_bar^T psi_s, then over query blocks
 // I >= J, X^T[s, t] = (psi_s . phi_t) / den_t times d_o_t.
 template <int kP>
 __device__ __forceinline__ void KeyV(const Ctx& cx, const SmatCudaDims& d, int b, int h, int64_t c0,
-                                     int ce, int J, float* __restrict__ v_bar) {
+                                     int ce, int J, int64_t add_before, float* __restrict__ v_bar) {
   float acc[8][4];
   TileChain<kP, 1>(
       cx, kOffPsi + J * kHalf, kOffPhi, kOffDo, J, cx.nb - 1, acc, [](float(&)[8][4]) {},
@@ -223,7 +242,7 @@ __device__ __forceinline__ void KeyV(const Ctx& cx, const SmatCudaDims& d, int b
             sc[j][e] = I == J && tl < 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
           }
       });
-  StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, v_bar);
+  StoreTile(cx, d, b, h, c0, ce, 64 * J, acc, 0, add_before, v_bar);
 }
 
 // phi_bar rows of 64-token block I: S_in gbar_t ((S_in d_o_t) / den_t +
@@ -231,7 +250,8 @@ __device__ __forceinline__ void KeyV(const Ctx& cx, const SmatCudaDims& d, int b
 // (gbar_t . vbar_s) times psi_s. S_in's planes are staged.
 template <int kP>
 __device__ __forceinline__ void QueryRows(const Ctx& cx, const SmatCudaDims& d, int b, int h,
-                                          int64_t c0, int ce, int I, float* __restrict__ phi_bar) {
+                                          int64_t c0, int ce, int I, int64_t add_from,
+                                          float* __restrict__ phi_bar) {
   float gm[2], gc[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -260,7 +280,7 @@ __device__ __forceinline__ void QueryRows(const Ctx& cx, const SmatCudaDims& d, 
             sc[j][e] = I == J && sl > 16 * cx.wi + cx.g + 8 * (e >> 1) ? 0.f : x;
           }
       });
-  StoreTile(cx, d, b, h, c0, ce, 64 * I, acc, phi_bar);
+  StoreTile(cx, d, b, h, c0, ce, 64 * I, acc, add_from, INT64_MAX, phi_bar);
 }
 
 // grid ChunkGrid(d), kThreads threads, kSmemBytes<kP> of shared memory.
@@ -272,8 +292,9 @@ __global__ void __launch_bounds__(kThreads, 2)
                              const __nv_bfloat16* __restrict__ d_o, const float* __restrict__ den,
                              const float* __restrict__ gbar, const float* __restrict__ gden,
                              const float* __restrict__ S_in, const float* __restrict__ D_bar,
-                             SmatDBarCarry dc, float* __restrict__ phi_bar,
-                             float* __restrict__ psi_bar, float* __restrict__ v_bar) {
+                             SmatDBarCarry dc, SmatChunkBackwardAdds adds,
+                             float* __restrict__ phi_bar, float* __restrict__ psi_bar,
+                             float* __restrict__ v_bar) {
   char* sm;
   uint32_t sa;
   wgmma::DynamicSmem1024(&sm, &sa);
@@ -337,11 +358,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   // The key rows: warpgroup 0 psi_bar's first tile and v_bar's second,
   // warpgroup 1 v_bar's first and psi_bar's second.
   if (wg == 0) {
-    KeyPsi<kP>(cx, d, b, h, c0, ce, 0, psi_bar);
-    if (cx.nb > 1) KeyV<kP>(cx, d, b, h, c0, ce, 1, v_bar);
+    KeyPsi<kP>(cx, d, b, h, c0, ce, 0, adds.key_before, psi_bar);
+    if (cx.nb > 1) KeyV<kP>(cx, d, b, h, c0, ce, 1, adds.key_before, v_bar);
   } else {
-    KeyV<kP>(cx, d, b, h, c0, ce, 0, v_bar);
-    if (cx.nb > 1) KeyPsi<kP>(cx, d, b, h, c0, ce, 1, psi_bar);
+    KeyV<kP>(cx, d, b, h, c0, ce, 0, adds.key_before, v_bar);
+    if (cx.nb > 1) KeyPsi<kP>(cx, d, b, h, c0, ce, 1, adds.key_before, psi_bar);
   }
   // The query tiles after S_in's planes replace D_bar's.
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -350,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                                               nullptr, 1.f, planes, nullptr);
   wgmma::FenceProxyAsync();
   __syncthreads();
-  if (wg < cx.nb) QueryRows<kP>(cx, d, b, h, c0, ce, wg, phi_bar);
+  if (wg < cx.nb) QueryRows<kP>(cx, d, b, h, c0, ce, wg, adds.query_from, phi_bar);
 }
 
 }  // namespace
@@ -371,7 +392,8 @@ cudaError_t LaunchChunkBackwardWgmma(const SmatCudaDims& d, const void* phi, con
                                      const void* v, const float* S_in, const float* gbar,
                                      const float* D_bar, float* phi_bar, float* psi_bar,
                                      float* v_bar, const SmatDBarCarry& carry,
-                                     const SmatGbarFactors& factors, int parts,
+                                     const SmatGbarFactors& factors,
+                                     const SmatChunkBackwardAdds& adds, int parts,
                                      cudaStream_t stream) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
   auto bf = [](const void* x) { return static_cast<const __nv_bfloat16*>(x); };
@@ -382,7 +404,7 @@ cudaError_t LaunchChunkBackwardWgmma(const SmatCudaDims& d, const void* phi, con
     if (err != cudaSuccess) return err;
     kernel<<<cuda_detail::ChunkGrid(d), kThreads, kSmemBytes<kP>, stream>>>(
         d, bf(phi), bf(psi), bf(v), bf(factors.d_o), factors.den, gbar, factors.gden, S_in, D_bar,
-        carry, phi_bar, psi_bar, v_bar);
+        carry, adds, phi_bar, psi_bar, v_bar);
     return cudaGetLastError();
   });
 }

@@ -40,6 +40,7 @@ using cuda_groups::ReadSegmentsFor;
 using cuda_groups::RecentGroups;
 using cuda_groups::RecentTypeReadsBackward;
 using cuda_groups::SegmentsFor;
+using cuda_groups::ZeroTokenRows;
 
 class CudaSmatKernels final : public SmatKernels {
  public:
@@ -194,11 +195,7 @@ class CudaSmatKernels final : public SmatKernels {
     const bool reads = plan.n > 0 && begin < d.L;
     bool assign = write == SmatWrite::kAssign;
     if (assign && begin < d.L && (!reads || type.defined())) {
-      const size_t row_bytes = sizeof(float) * static_cast<size_t>(d.H) * d.p;
-      SMAT_RETURN_IF_ERROR(
-          CudaStatus(cudaMemset2DAsync(F32(ybar) + begin * d.H * d.p, row_bytes * d.L, 0,
-                                       row_bytes * (d.L - begin), d.batch, s),
-                     "TypeReads cudaMemset2DAsync"));
+      SMAT_RETURN_IF_ERROR(ZeroTokenRows(d, begin, d.L, d.p, ybar, s, "TypeReads"));
       assign = false;
     }
     if (!reads) return absl::OkStatus();
@@ -372,6 +369,7 @@ class CudaSmatKernels final : public SmatKernels {
                                      const Tensor& lam, const Tensor& chunk_decay,
                                      const Tensor& S_in, Tensor* gbar, Tensor* dlam_row,
                                      Tensor* phi_bar, Tensor* psi_bar, Tensor* v_bar,
+                                     const SmatLongRangeBackward& long_range,
                                      Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
@@ -400,12 +398,33 @@ class CudaSmatKernels final : public SmatKernels {
     }
     CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(float* work, scratch.Get<float>(SmatChunkBackwardScratchFloats(d)));
+    SMAT_RETURN_IF_ERROR(
+        CudaStatus(LaunchSmatChunkBackwardStates(d, d_o.raw(), do_bf16, o.raw(), o_bf16, F32(den),
+                                                 eps, phi.raw(), F32(lam), F32(chunk_decay),
+                                                 F32(gbar), F32(dlam_row), work, s, column_only),
+                   "ChunkBackward kernels"));
+    // The long-range branch before B7 where B7 can add to its rows (on
+    // warpgroup MMAs): then those rows are read back once, by B7, beside its
+    // products, instead of by the branch's own adds (see
+    // SmatLongRangeFirst).
+    const bool first =
+        long_range && do_bf16 && SmatLongRangeFirst() &&
+        SmatChunkBackwardTilesAdd(d, phi.raw(), psi.raw(), v.raw(), F32(lam), d_o.raw(), F32(S_in),
+                                  F32(phi_bar), F32(psi_bar), F32(v_bar));
+    SmatChunkBackwardAdds adds;
+    if (first) {
+      SMAT_RETURN_IF_ERROR(long_range(SmatWrite::kAssign));
+      const int64_t split = span.distant_end(plan) - span.t0;  // = recent_begin - t0
+      adds.query_from = split;
+      adds.key_before = split;
+    }
     SMAT_RETURN_IF_ERROR(CudaStatus(
-        LaunchSmatChunkBackward(d, d_o.raw(), do_bf16, o.raw(), o_bf16, F32(den), eps, phi.raw(),
-                                psi.raw(), v.raw(), F32(lam), F32(chunk_decay), F32(S_in),
-                                F32(gbar), F32(dlam_row), F32(phi_bar), F32(psi_bar), F32(v_bar),
-                                work, s, column_only),
+        LaunchSmatChunkBackwardTiles(d, d_o.raw(), do_bf16, F32(den), phi.raw(), psi.raw(), v.raw(),
+                                     F32(lam), F32(chunk_decay), F32(S_in), F32(gbar), F32(phi_bar),
+                                     F32(psi_bar), F32(v_bar), work, s, column_only,
+                                     first ? &adds : nullptr),
         "ChunkBackward kernels"));
+    if (long_range && !first) SMAT_RETURN_IF_ERROR(long_range(SmatWrite::kAdd));
     return true;
   }
 
@@ -413,7 +432,7 @@ class CudaSmatKernels final : public SmatKernels {
       const SmatPlan& plan, const SmatSpan& span, const Tensor& phi, const Tensor& U,
       const Tensor& d_o, const Tensor& den, const Tensor& gden, const Tensor& lam,
       const Tensor& chunk_decay, const Tensor& recent_offset, const Tensor& type, Tensor* phi_bar,
-      Tensor* U_bar, Stream* stream) override {
+      Tensor* U_bar, SmatWrite write, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.TableDims(plan, span, phi, U, "U"));
     SMAT_RETURN_IF_ERROR(args_.CheckFeatures(d, d_o, "d_o", d.dv));
@@ -433,7 +452,7 @@ class CudaSmatKernels final : public SmatKernels {
     gf.gden = F32(gden);
     SMAT_RETURN_IF_ERROR(RecentTypeReadsBackward(plan, span, d, phi, U, nullptr, &gf, lam,
                                                  chunk_decay, recent_offset, type, phi_bar, U_bar,
-                                                 s));
+                                                 write, s));
     return true;
   }
 
@@ -441,7 +460,7 @@ class CudaSmatKernels final : public SmatKernels {
                                  const Tensor& U, const Tensor& gbar, const Tensor& lam,
                                  const Tensor& chunk_decay, const Tensor& recent_offset,
                                  const Tensor& type, Tensor* phi_bar, Tensor* U_bar,
-                                 Stream* stream) override {
+                                 SmatWrite write, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.TableDims(plan, span, phi, U, "U"));
     SMAT_RETURN_IF_ERROR(args_.CheckF32(gbar, {d.batch, d.L, d.H, d.p}, "gbar"));
@@ -452,7 +471,7 @@ class CudaSmatKernels final : public SmatKernels {
     SMAT_RETURN_IF_ERROR(args_.CheckOut(phi_bar, {d.batch, d.L, d.H, d.r}, "phi_bar"));
     SMAT_RETURN_IF_ERROR(args_.CheckOut(U_bar, {d.batch, d.H, B, d.r, d.p}, "U_bar"));
     return RecentTypeReadsBackward(plan, span, d, phi, U, F32(gbar), nullptr, lam, chunk_decay,
-                                   recent_offset, type, phi_bar, U_bar, s);
+                                   recent_offset, type, phi_bar, U_bar, write, s);
   }
 
   absl::Status TabulateBackward(const SmatPlan& plan, const Tensor& U_bar, Tensor* F_bar,
@@ -472,11 +491,11 @@ class CudaSmatKernels final : public SmatKernels {
                             U_bar.dim(3) * U_bar.dim(4), F32(U_bar), F32(F_bar), s);
   }
 
-  absl::Status ProfilePoolingBackward(const SmatPlan& plan, const SmatSpan& span,
-                                      const Tensor& psi, const Tensor& v, const Tensor& lam,
-                                      const Tensor& chunk_decay, const Tensor& distant_tail_decay,
-                                      const Tensor& prof, const Tensor& F_bar, Tensor* psi_bar,
-                                      Tensor* v_bar, Stream* stream) override {
+  absl::Status ProfilePoolingBackward(const SmatPlan& plan, const SmatSpan& span, const Tensor& psi,
+                                      const Tensor& v, const Tensor& lam, const Tensor& chunk_decay,
+                                      const Tensor& distant_tail_decay, const Tensor& prof,
+                                      const Tensor& F_bar, Tensor* psi_bar, Tensor* v_bar,
+                                      SmatWrite write, Stream* stream) override {
     SMAT_ASSIGN_OR_RETURN(cudaStream_t s, Enter(stream));
     SMAT_ASSIGN_OR_RETURN(SmatCudaDims d, args_.FeatureDims(plan, span, psi, v));
     SMAT_RETURN_IF_ERROR(args_.CheckGates(d, lam, chunk_decay));
@@ -490,6 +509,16 @@ class CudaSmatKernels final : public SmatKernels {
     const int64_t end = span.distant_end(plan) - span.t0;
     if (end <= 0) return absl::OkStatus();
     SMAT_RETURN_IF_ERROR(CheckGroups(P, "profiles (P)"));
+    // Content profiles out of range pool into nothing: with =, the rows are
+    // zeroed first. Positional profiles give every distant token one.
+    bool assign = write == SmatWrite::kAssign;
+    if (assign && prof.defined()) {
+      SMAT_RETURN_IF_ERROR(
+          ZeroTokenRows(d, 0, end, d.r, psi_bar, s, "ProfilePoolingBackward psi_bar"));
+      SMAT_RETURN_IF_ERROR(
+          ZeroTokenRows(d, 0, end, d.dv, v_bar, s, "ProfilePoolingBackward v_bar"));
+      assign = false;
+    }
     CudaScratch scratch(s);
     SMAT_ASSIGN_OR_RETURN(SmatTokenGroups groups,
                           GroupTokens(d, prof, 0, end, P, span.t0 % P, &scratch, s));
@@ -501,7 +530,7 @@ class CudaSmatKernels final : public SmatKernels {
     return CudaStatus(
         LaunchSmatGroupedReads(d, groups, ReadSegmentsFor(groups, SmatReadKind::kBoth),
                                SmatReadKind::kBoth, F32(F_bar), lay, psi.raw(), v.raw(), nullptr, w,
-                               nullptr, F32(psi_bar), F32(v_bar), false, s),
+                               nullptr, F32(psi_bar), F32(v_bar), assign, s),
         "ProfilePoolingBackward kernel");
   }
 

@@ -174,14 +174,32 @@ absl::Status GroupedSum(const SmatCudaDims& d, const SmatTokenGroups& groups, in
                     what);
 }
 
+absl::Status ZeroTokenRows(const SmatCudaDims& d, int64_t i0, int64_t i1, int width, Tensor* t,
+                           cudaStream_t s, const char* what) {
+  if (i0 >= i1 || d.batch == 0) return absl::OkStatus();
+  const size_t row_bytes = sizeof(float) * static_cast<size_t>(d.H) * width;
+  return CudaStatus(cudaMemset2DAsync(static_cast<float*>(t->raw()) + i0 * d.H * width,
+                                      row_bytes * d.L, 0, row_bytes * (i1 - i0), d.batch, s),
+                    absl::StrCat(what, " cudaMemset2DAsync").c_str());
+}
+
 absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
                                      const SmatCudaDims& d, const Tensor& phi, const Tensor& U,
                                      const float* gbar, const SmatGbarFactors* factors,
                                      const Tensor& lam, const Tensor& chunk_decay,
                                      const Tensor& recent_offset, const Tensor& type,
-                                     Tensor* phi_bar, Tensor* U_bar, cudaStream_t s) {
+                                     Tensor* phi_bar, Tensor* U_bar, SmatWrite write,
+                                     cudaStream_t s) {
+  const int64_t begin = span.recent_begin(plan) - span.t0;
+  bool assign = write == SmatWrite::kAssign;
+  // n = 0: no recent token reads U (see TypeReads), so U_bar = 0 and phi_bar
+  // keeps its value, or its recent rows are 0 with =. Content types out of
+  // range read nothing either: with =, those rows are zeroed first.
+  if (assign && (plan.n == 0 || type.defined())) {
+    SMAT_RETURN_IF_ERROR(ZeroTokenRows(d, begin, d.L, d.r, phi_bar, s, "TypeReadsBackward"));
+    assign = false;
+  }
   if (plan.n == 0) {
-    // No recent token reads U (see TypeReads), so U_bar = 0 and phi_bar keeps its value.
     return CudaStatus(cudaMemsetAsync(U_bar->raw(), 0, U_bar->nbytes(), s),
                       "TypeReadsBackward cudaMemsetAsync");
   }
@@ -206,7 +224,7 @@ absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
     }
     SMAT_CUDA_RETURN_IF_ERROR(LaunchSmatTypeReadsBackwardBf16(d, groups, segments, F32(U), lay,
                                                               phi.raw(), gbar, w, out_lay, out,
-                                                              F32(phi_bar), s, factors));
+                                                              F32(phi_bar), assign, s, factors));
     if (segments == 1) return absl::OkStatus();
     return CudaStatus(
         LaunchSmatReduceSegments(d, groups.num_groups, segments, out, lay, F32(U_bar), s),
@@ -220,7 +238,7 @@ absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
   return CudaStatus(
       LaunchSmatGroupedReads(d, groups, ReadSegmentsFor(groups, SmatReadKind::kMatVec),
                              SmatReadKind::kMatVec, F32(U), lay, nullptr, nullptr, gbar, w, nullptr,
-                             F32(phi_bar), nullptr, false, s),
+                             F32(phi_bar), nullptr, assign, s),
       "TypeReadsBackward kernel");
 }
 

@@ -132,8 +132,9 @@ cudaError_t LaunchSmatReduceSegments(const SmatCudaDims& dims, int num_groups, i
                                      cudaStream_t stream);
 
 // Per-token products with the group's r x p matrix M (layout `m_layout`, one
-// segment), += into fp32 outputs (out_p: = when assign_p, for
-// SmatWrite::kAssign); the product with w_i is rounded before it is added:
+// segment), += into fp32 outputs (= into each output the kind writes when
+// assign, for SmatWrite::kAssign); the product with w_i is rounded before it
+// is added, so that = and then += of another term give the bits of += :
 //   kVecMat (F7):  out_p[i] += w_i a_i^T M       (a = phi, out_p [batch, L, H, p])
 //   kMatVec (B2):  out_r[i] += w_i M g_i         (g = gbar fp32, out_r [batch, L, H, r])
 //   kBoth   (B4):  out_r[i] += w_i M vbar_i, out_v[i] += w_i (M^T a_i)[0:dv]
@@ -143,7 +144,7 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& dims, const SmatTokenGrou
                                    int segments, SmatReadKind kind, const float* M,
                                    const SmatMatrixLayout& m_layout, const void* a, const void* v,
                                    const float* g, const SmatTokenWeights& w, float* out_p,
-                                   float* out_r, float* out_v, bool assign_p, cudaStream_t stream);
+                                   float* out_r, float* out_v, bool assign, cudaStream_t stream);
 
 // Stable counting sort of the span's tokens [begin, end) of each (b, h) by
 // map[b, i, h] in [0, G) (content maps): offsets [batch * H, G + 1], perm
@@ -244,7 +245,7 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& dims, const SmatToken
                                        int segments, SmatReadKind kind, const float* M,
                                        const SmatMatrixLayout& m_layout, const void* a,
                                        const void* v, const float* g, const SmatTokenWeights& w,
-                                       float* out_p, float* out_r, float* out_v, bool assign_p,
+                                       float* out_p, float* out_r, float* out_v, bool assign,
                                        cudaStream_t stream);
 cudaError_t LaunchSmatChunkOutputsFast(const SmatCudaDims& dims, const void* phi, const void* psi,
                                        const void* v, const float* lam, const float* S_in,
@@ -361,6 +362,15 @@ struct SmatDBarCarry {
   SmatChunkRuns runs;
 };
 
+// The rows B7 of ChunkBackward adds to instead of writing (where the
+// long-range branch wrote them first, SmatKernels::ChunkBackward): phi_bar's
+// rows of tokens >= query_from, psi_bar's and v_bar's of tokens < key_before
+// (span-local token indices). The default adds to none.
+struct SmatChunkBackwardAdds {
+  int64_t query_from = INT64_MAX;
+  int64_t key_before = 0;
+};
+
 // gbar's columns < dv by their factors, gbar_t[0:dv] = d_o_t / den_t (B1):
 // d_o's bf16 rows [batch, L, H, dv] and den [batch, L, H]. B7 then takes d_o
 // as one exact bf16 part where it took gbar in kP, and divides by den_t in
@@ -388,7 +398,22 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(
     const SmatCudaDims& dims, const void* phi, const void* psi, const void* v, const float* lam,
     const float* chunk_decay, const float* S_in, const float* gbar, const float* D_bar,
     float* phi_bar, float* psi_bar, float* v_bar, bool assign, cudaStream_t stream,
-    const SmatDBarCarry* carry = nullptr, const SmatGbarFactors* factors = nullptr);
+    const SmatDBarCarry* carry = nullptr, const SmatGbarFactors* factors = nullptr,
+    const SmatChunkBackwardAdds* adds = nullptr);
+// Whether B7 as ChunkBackward launches it (assign, from gbar's factors) runs
+// on warpgroup MMAs (smat_chunk_bwd_wgmma.h) for these inputs, the one B7
+// that can add to some rows (`adds` of the launcher above; with adds where
+// this is false the launcher returns cudaErrorInvalidValue).
+bool SmatChunkBackwardTilesAdd(const SmatCudaDims& dims, const void* phi, const void* psi,
+                               const void* v, const float* lam, const void* d_o, const float* S_in,
+                               const float* phi_bar, const float* psi_bar, const float* v_bar);
+// Whether ChunkBackward runs the long-range branch before B7 where B7 can add
+// (SmatChunkBackwardTilesAdd): yes unless SMAT_CUDA_LONG_RANGE_FIRST is "0"
+// (the branch then adds after B7, as on every other path). Read on every
+// call; any other value than "0" or "1" is reported once on stderr and the
+// default kept. The gradients are the same either way (SmatKernels::
+// ChunkBackward).
+bool SmatLongRangeFirst();
 
 // ---- smat_reads_bwd_bf16.cu -----------------------------------------------------
 
@@ -401,7 +426,8 @@ cudaError_t LaunchSmatChunkOutputsBackwardFused(
 // `U_bar` in `out_layout` with `segments` per type, as
 // LaunchSmatGroupedOuterSum writes them. With `factors` (d_o bf16, den and
 // gden; SmatTypeReadsBackwardFactorsFit: d_o's rows 16-byte aligned, dv a
-// multiple of 8) gbar is not read: its rows come from their factors.
+// multiple of 8) gbar is not read: its rows come from their factors. assign:
+// phi_bar's rows of the groups' tokens = instead of +=.
 bool SmatTypeReadsBackwardBf16Fits(const SmatCudaDims& dims, const void* phi);
 bool SmatTypeReadsBackwardFactorsFit(const SmatCudaDims& dims, const void* phi, const void* d_o);
 cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
@@ -409,7 +435,7 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& dims, const Smat
                                             const SmatMatrixLayout& u_layout, const void* phi,
                                             const float* gbar, const SmatTokenWeights& w,
                                             const SmatMatrixLayout& out_layout, float* U_bar,
-                                            float* phi_bar, cudaStream_t stream,
+                                            float* phi_bar, bool assign, cudaStream_t stream,
                                             const SmatGbarFactors* factors = nullptr);
 
 // ---- smat_state_grads.cu --------------------------------------------------------
@@ -441,16 +467,26 @@ cudaError_t LaunchSmatNormalizeBackwardStatesFused(const SmatCudaDims& dims, con
 // that B7 adds as it stages D_bar. Fits where both fused kernels run.
 // scratch: SmatChunkBackwardScratchFloats(dims) floats. gbar_column_only
 // (a bf16 d_o only): gbar is [batch, L, H], gbar's column dv alone; B7 takes
-// the other columns from d_o and den (SmatGbarFactors).
+// the other columns from d_o and den (SmatGbarFactors). Two launches, in this
+// order on one stream with the same scratch, so that other work can run
+// between: the states (B1, B5, B6: gbar, dlam_row, D_bar's local part and the
+// runs' carries, into scratch) and the tiles (B7; `adds` as
+// LaunchSmatChunkOutputsBackwardFused takes it).
 bool SmatChunkBackwardFits(const SmatCudaDims& dims, const void* d_o, bool do_bf16, const void* o,
                            bool o_bf16, const void* phi, const float* lam, const float* gbar);
 int64_t SmatChunkBackwardScratchFloats(const SmatCudaDims& dims);
-cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& dims, const void* d_o, bool do_bf16,
-                                    const void* o, bool o_bf16, const float* den, float eps,
-                                    const void* phi, const void* psi, const void* v,
-                                    const float* lam, const float* chunk_decay, const float* S_in,
-                                    float* gbar, float* dlam_row, float* phi_bar, float* psi_bar,
-                                    float* v_bar, float* scratch, cudaStream_t stream,
-                                    bool gbar_column_only = false);
+cudaError_t LaunchSmatChunkBackwardStates(const SmatCudaDims& dims, const void* d_o, bool do_bf16,
+                                          const void* o, bool o_bf16, const float* den, float eps,
+                                          const void* phi, const float* lam,
+                                          const float* chunk_decay, float* gbar, float* dlam_row,
+                                          float* scratch, cudaStream_t stream,
+                                          bool gbar_column_only);
+cudaError_t LaunchSmatChunkBackwardTiles(const SmatCudaDims& dims, const void* d_o, bool do_bf16,
+                                         const float* den, const void* phi, const void* psi,
+                                         const void* v, const float* lam, const float* chunk_decay,
+                                         const float* S_in, const float* gbar, float* phi_bar,
+                                         float* psi_bar, float* v_bar, const float* scratch,
+                                         cudaStream_t stream, bool gbar_column_only,
+                                         const SmatChunkBackwardAdds* adds);
 
 }  // namespace smat

@@ -116,7 +116,7 @@ __global__ void GroupedReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int s
                                    const void* __restrict__ v, const float* __restrict__ gsrc,
                                    SmatTokenWeights tw, float* __restrict__ out_p,
                                    float* __restrict__ out_r, float* __restrict__ out_v,
-                                   bool assign_p) {
+                                   bool assign) {
   extern __shared__ float smem[];
   const int r = d.r, p = d.p, ldp = PadOdd(p);
   constexpr int kWarps = kThreads / 32;
@@ -149,19 +149,21 @@ __global__ void GroupedReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int s
         // The weight's product rounded on its own (no fused multiply-add), so
         // that = and += give the same sum downstream.
         const float x = __fmul_rn(w, s);
-        out_p[row * p + n] = assign_p ? x : out_p[row * p + n] + x;
+        out_p[row * p + n] = assign ? x : out_p[row * p + n] + x;
       }
     } else {
       for (int m = lane; m < r; m += 32) {
         float s = 0.f;
         for (int k = 0; k < p; ++k) s = fmaf(m_s[m * ldp + k], my_b[k], s);
-        out_r[row * r + m] += w * s;
+        const float x = __fmul_rn(w, s);
+        out_r[row * r + m] = assign ? x : out_r[row * r + m] + x;
       }
       if (kind == SmatReadKind::kBoth) {
         for (int n = lane; n < d.dv; n += 32) {
           float s = 0.f;
           for (int k = 0; k < r; ++k) s = fmaf(my_a[k], m_s[k * ldp + n], s);
-          out_v[row * d.dv + n] += w * s;
+          const float x = __fmul_rn(w, s);
+          out_v[row * d.dv + n] = assign ? x : out_v[row * d.dv + n] + x;
         }
       }
     }
@@ -241,11 +243,11 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
                                    int segments, SmatReadKind kind, const float* M,
                                    const SmatMatrixLayout& lay, const void* a, const void* v,
                                    const float* g, const SmatTokenWeights& w, float* out_p,
-                                   float* out_r, float* out_v, bool assign_p, cudaStream_t stream) {
+                                   float* out_r, float* out_v, bool assign, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (SmatUseFastChunkTiles(d)) {
     return LaunchSmatGroupedReadsFast(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
-                                      out_v, assign_p, stream);
+                                      out_v, assign, stream);
   }
   const size_t smem = sizeof(float) * (static_cast<size_t>(d.r) * PadOdd(d.p) +
                                        (kThreads / 32) * (d.r + d.p));
@@ -256,7 +258,7 @@ cudaError_t LaunchSmatGroupedReads(const SmatCudaDims& d, const SmatTokenGroups&
   }
   const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   GroupedReadsKernel<<<grid, kThreads, smem, stream>>>(d, groups, segments, kind, M, lay, a, v, g,
-                                                       w, out_p, out_r, out_v, assign_p);
+                                                       w, out_p, out_r, out_v, assign);
   return cudaGetLastError();
 }
 

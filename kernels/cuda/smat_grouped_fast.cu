@@ -185,7 +185,7 @@ __device__ __forceinline__ void AddToRows(float* __restrict__ out, int width, in
   }
 }
 
-// kAssign (kVecMat only): out_p is written, not added to.
+// kAssign: the kind's outputs are written, not added to.
 template <SmatReadKind kRead, typename In, bool kAssign>
 __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3)
     GroupReadsKernel(SmatCudaDims d, SmatTokenGroups groups, int segments, bool vec_in,
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kBoth ? 2 : 3
       float acc[8][4];
       Zero(acc);
       Gemm<true, false>(acc, Bt, kC, m0, Mg, kLdF, n0, 0, p);
-      AddToRows<false>(out_r, r, r, rows, w, m0, n0, nt, acc);
+      AddToRows<kAssign>(out_r, r, r, rows, w, m0, n0, nt, acc);
     }
   }
 }
@@ -265,11 +265,9 @@ struct LaunchReads {
   static cudaError_t Run(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
                          const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                          const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                         float* out_v, bool assign_p, cudaStream_t stream) {
+                         float* out_v, bool assign, cudaStream_t stream) {
     constexpr size_t kSmem = sizeof(float) * ReadsSmem<kRead>::kFloats;
-    constexpr bool kVecMat = kRead == SmatReadKind::kVecMat;
-    auto kernel =
-        assign_p ? GroupReadsKernel<kRead, In, kVecMat> : GroupReadsKernel<kRead, In, false>;
+    auto kernel = assign ? GroupReadsKernel<kRead, In, true> : GroupReadsKernel<kRead, In, false>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
@@ -319,19 +317,19 @@ cudaError_t LaunchSmatGroupedReadsFast(const SmatCudaDims& d, const SmatTokenGro
                                        int segments, SmatReadKind kind, const float* M,
                                        const SmatMatrixLayout& lay, const void* a, const void* v,
                                        const float* g, const SmatTokenWeights& w, float* out_p,
-                                       float* out_r, float* out_v, bool assign_p,
+                                       float* out_r, float* out_v, bool assign,
                                        cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (SmatUseReadsBf16(d, kind, a, v)) {
     return LaunchSmatReadsBf16(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r, out_v,
-                               assign_p, stream);
+                               assign, stream);
   }
   if (SmatUseMmaGrouped(d, /*reads=*/true)) {
     return LaunchSmatGroupedReadsMma(d, groups, segments, kind, M, lay, a, v, g, w, out_p, out_r,
-                                     out_v, assign_p, stream);
+                                     out_v, assign, stream);
   }
   return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v, g,
-                                                w, out_p, out_r, out_v, assign_p, stream);
+                                                w, out_p, out_r, out_v, assign, stream);
 }
 
 }  // namespace smat

@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                    const float* __restrict__ M, SmatMatrixLayout lay, const In* __restrict__ a,
                    const In* __restrict__ v, const float* __restrict__ gsrc, SmatTokenWeights tw,
                    float* __restrict__ out_p, float* __restrict__ out_r, float* __restrict__ out_v,
-                   bool assign_p) {
+                   bool assign) {
   using fast_tiles::ListedRows;
   using fast_tiles::StageRows;
   constexpr int kTokenParts = std::is_same_v<In, float> ? 3 : 1;
@@ -435,21 +435,21 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (kRead == SmatReadKind::kVecMat) {
       StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, As, kLdA, 16 * kr);
       __syncthreads();
-      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (p + 7) >> 3, kr, nt, rows, w, p, assign_p,
+      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (p + 7) >> 3, kr, nt, rows, w, p, assign,
                            out_p);
     } else if (kRead == SmatReadKind::kMatVec) {
       StageRows(ListedRows<float>{gsrc, rows, p}, nt, p, false, As, kLdA, 16 * kp);
       __syncthreads();
-      ReadAll<3>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, false, out_r);
+      ReadAll<3>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, assign, out_r);
     } else {
       StageRows(ListedRows<In>{v, rows, dv}, nt, dv, vec_in, As, kLdA, 16 * kp, dv);
       __syncthreads();
-      ReadAll<kTokenParts>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, false,
+      ReadAll<kTokenParts>(As, m0, Pm, kPmWords, kLdPm, (r + 7) >> 3, kp, nt, rows, w, r, assign,
                            out_r);
       __syncthreads();  // As is restaged with a
       StageRows(ListedRows<In>{a, rows, r}, nt, r, vec_in, As, kLdA, 16 * kr);
       __syncthreads();
-      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (dv + 7) >> 3, kr, nt, rows, w, dv, false,
+      ReadAll<kTokenParts>(As, m0, Pv, kPvWords, kLdPv, (dv + 7) >> 3, kr, nt, rows, w, dv, assign,
                            out_v);
     }
   }
@@ -460,7 +460,7 @@ struct LaunchReads {
   static cudaError_t Run(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
                          const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                          const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                         float* out_v, bool assign_p, cudaStream_t stream) {
+                         float* out_v, bool assign, cudaStream_t stream) {
     auto kernel = ReadsMmaKernel<kRead, In>;
     const cudaError_t err = mma_tiles::AllowSharedMemory(kernel, kReadsSmemBytes);
     if (err != cudaSuccess) return err;
@@ -469,7 +469,7 @@ struct LaunchReads {
     const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
     kernel<<<grid, kThreads, kReadsSmemBytes, stream>>>(
         d, groups, segments, vec, M, lay, static_cast<const In*>(a), static_cast<const In*>(v), g,
-        w, out_p, out_r, out_v, assign_p);
+        w, out_p, out_r, out_v, assign);
     return cudaGetLastError();
   }
 };
@@ -505,11 +505,11 @@ cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& d, const SmatTokenGrou
                                       int segments, SmatReadKind kind, const float* M,
                                       const SmatMatrixLayout& lay, const void* a, const void* v,
                                       const float* g, const SmatTokenWeights& w, float* out_p,
-                                      float* out_r, float* out_v, bool assign_p,
+                                      float* out_r, float* out_v, bool assign,
                                       cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   return fast_tiles::DispatchReads<LaunchReads>(d.bf16, kind, d, groups, segments, M, lay, a, v, g,
-                                                w, out_p, out_r, out_v, assign_p, stream);
+                                                w, out_p, out_r, out_v, assign, stream);
 }
 
 }  // namespace smat

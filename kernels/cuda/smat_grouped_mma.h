@@ -41,7 +41,7 @@ cudaError_t LaunchSmatGroupedReadsMma(const SmatCudaDims& dims, const SmatTokenG
                                       int segments, SmatReadKind kind, const float* M,
                                       const SmatMatrixLayout& m_layout, const void* a,
                                       const void* v, const float* g, const SmatTokenWeights& w,
-                                      float* out_p, float* out_r, float* out_v, bool assign_p,
+                                      float* out_p, float* out_r, float* out_v, bool assign,
                                       cudaStream_t stream);
 
 // The reads with the tokens as the rows of tensor-core products
@@ -57,7 +57,7 @@ cudaError_t LaunchSmatReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups&
                                 int segments, SmatReadKind kind, const float* M,
                                 const SmatMatrixLayout& m_layout, const void* a, const void* v,
                                 const float* g, const SmatTokenWeights& w, float* out_p,
-                                float* out_r, float* out_v, bool assign_p, cudaStream_t stream);
+                                float* out_r, float* out_v, bool assign, cudaStream_t stream);
 
 // kVecMat (TypeReads) at r = dv = 64 with each group's matrix held in
 // registers (smat_reads_held_bf16.cu): bf16 a with 16-byte aligned rows,
@@ -67,7 +67,7 @@ bool SmatHeldReadsFit(const SmatCudaDims& dims, const void* a);
 cudaError_t LaunchSmatHeldReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
                                     int segments, const float* M, const SmatMatrixLayout& m_layout,
                                     const void* a, const SmatTokenWeights& w, float* out_p,
-                                    bool assign_p, cudaStream_t stream);
+                                    bool assign, cudaStream_t stream);
 
 // kVecMat (TypeReads) at r = dv = 64 for groups of few tokens
 // (smat_reads_few_bf16.cu): resident blocks that walk the (group, segment,
@@ -79,6 +79,6 @@ bool SmatFewReadsFit(const SmatCudaDims& dims, const float* M, const void* a);
 cudaError_t LaunchSmatFewReadsBf16(const SmatCudaDims& dims, const SmatTokenGroups& groups,
                                    int segments, const float* M, const SmatMatrixLayout& m_layout,
                                    const void* a, const SmatTokenWeights& w, float* out_p,
-                                   bool assign_p, cudaStream_t stream);
+                                   bool assign, cudaStream_t stream);
 
 }  // namespace smat

@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
                     const float* __restrict__ M, SmatMatrixLayout lay,
                     const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ v,
                     const float* __restrict__ gsrc, SmatTokenWeights tw, float* __restrict__ out_p,
-                    float* __restrict__ out_r, float* __restrict__ out_v, bool assign_p) {
+                    float* __restrict__ out_r, float* __restrict__ out_v, bool assign) {
   extern __shared__ uint4 smem_u4[];
   char* smem = reinterpret_cast<char*>(smem_u4);
   __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
     const int nt = static_cast<int>(cuda_detail::Min64(kC, blk.hi - j0));
     StageTokens(blk, d, tw, j0, nt, rows, w);
     if constexpr (kRead == SmatReadKind::kVecMat) {
-      if (!assign_p) PrefetchRows(out_p, rows, p, nt);
+      if (!assign) PrefetchRows(out_p, rows, p, nt);
       StageRowsAsync(a, rows, r, nt, Ts);
     } else if constexpr (kRead == SmatReadKind::kBoth) {
       StageRowsAsync(v, rows, dv, nt, Ts);
@@ -205,28 +205,29 @@ __global__ void __launch_bounds__(kThreads, kRead == SmatReadKind::kVecMat ? (kS
         Product<1, kVecMatTiles, true, kMP>(a_addr, b_trans, kr, j0n, n_tiles, hi, lo);
         if constexpr (kStaged) {
           float* ys = reinterpret_cast<float*>(smem + OffOutputs(kRead)) + 16 * warp * kLdY;
-          StoreRowsStaged(hi, lo, 16 * warp, j0n, nt, rows, w, p, assign_p, ys, out_p);
+          StoreRowsStaged(hi, lo, 16 * warp, j0n, nt, rows, w, p, assign, ys, out_p);
         } else {
           StoreRows<kVecMatTiles, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, p,
-                                              assign_p, out_p);
+                                              assign, out_p);
         }
       }
     } else if constexpr (kRead == SmatReadKind::kMatVec) {
       static_assert(kMP == 3, "gbar's three parts go with M's three planes");
       float hi[8][4], lo[8][4];
       Product<3, 8, false>(a_addr, b_plain, kv, 0, (r + 7) >> 3, hi, lo);
-      StoreRows<8, Den::kG>(hi, lo, 16 * warp, 0, nt, rows, w, gcol, mcol, r, false, out_r);
+      StoreRows<8, Den::kG>(hi, lo, 16 * warp, 0, nt, rows, w, gcol, mcol, r, assign, out_r);
     } else {
       // Passes of 4 n8 tiles (80 registers at three blocks per SM).
       for (int j0n = 0; 8 * j0n < r; j0n += 4) {
         float hi[4][4], lo[4][4];
         Product<1, 4, false, kMP>(a_addr, b_plain, kv, j0n, (r + 7) >> 3, hi, lo);
-        StoreRows<4, Den::kOnes>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, r, false, out_r);
+        StoreRows<4, Den::kOnes>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, r, assign, out_r);
       }
       for (int j0n = 0; 8 * j0n < dv; j0n += 4) {
         float hi[4][4], lo[4][4];
         Product<1, 4, true, kMP>(a_addr + 2u * kTokPlane, b_trans, kr, j0n, (dv + 7) >> 3, hi, lo);
-        StoreRows<4, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, dv, false, out_v);
+        StoreRows<4, Den::kNone>(hi, lo, 16 * warp, j0n, nt, rows, w, gcol, mcol, dv, assign,
+                                 out_v);
       }
     }
   }
@@ -238,7 +239,7 @@ template <SmatReadKind kRead, bool kStaged, int kMP>
 cudaError_t LaunchKernel(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
                          const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                          const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                         float* out_v, bool assign_p, cudaStream_t stream) {
+                         float* out_v, bool assign, cudaStream_t stream) {
   auto kernel = d.r == kW && d.dv == kW ? ReadsBf16Kernel<kRead, true, kStaged, kMP>
                                         : ReadsBf16Kernel<kRead, false, kStaged, kMP>;
   constexpr int kSmem = SmemBytes(kRead, kStaged);
@@ -247,7 +248,7 @@ cudaError_t LaunchKernel(const SmatCudaDims& d, const SmatTokenGroups& groups, i
   const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
   kernel<<<grid, kThreads, kSmem, stream>>>(
       d, groups, segments, M, lay, static_cast<const __nv_bfloat16*>(a),
-      static_cast<const __nv_bfloat16*>(v), g, w, out_p, out_r, out_v, assign_p);
+      static_cast<const __nv_bfloat16*>(v), g, w, out_p, out_r, out_v, assign);
   return cudaGetLastError();
 }
 
@@ -255,7 +256,7 @@ template <SmatReadKind kRead, int kMP>
 cudaError_t LaunchWith(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
                        const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                        const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                       float* out_v, bool assign_p, cudaStream_t stream) {
+                       float* out_v, bool assign, cudaStream_t stream) {
   if constexpr (kRead == SmatReadKind::kVecMat) {
     // The rows go through shared memory (kStaged) where they are odd-sized
     // and the blocks hold a whole tile of tokens on average: H200, bf16,
@@ -267,37 +268,37 @@ cudaError_t LaunchWith(const SmatCudaDims& d, const SmatTokenGroups& groups, int
     // ms at d = 2 (2026-12-02).
     const int64_t blocks = int64_t{groups.num_groups} * segments;
     if (groups.end - groups.begin >= kC * blocks && SmatHeldReadsFit(d, a)) {
-      return LaunchSmatHeldReadsBf16(d, groups, segments, M, lay, a, w, out_p, assign_p, stream);
+      return LaunchSmatHeldReadsBf16(d, groups, segments, M, lay, a, w, out_p, assign, stream);
     }
     // Fewer tokens per block: resident blocks that fetch the next group's
     // matrix while they multiply (smat_reads_few_bf16.cu). H200, d = 3,
     // 2026-12-06: TypeReads (=) 0.76 -> 0.54 ms at T = 524288 (58 tokens
     // per type and head), 1.42 -> 1.06 ms at T = 1048576.
     if (SmatFewReadsFit(d, M, a)) {
-      return LaunchSmatFewReadsBf16(d, groups, segments, M, lay, a, w, out_p, assign_p, stream);
+      return LaunchSmatFewReadsBf16(d, groups, segments, M, lay, a, w, out_p, assign, stream);
     }
     if (d.p % 2 != 0 && groups.end - groups.begin >= kC * blocks) {
       return LaunchKernel<kRead, true, kMP>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
-                                            out_v, assign_p, stream);
+                                            out_v, assign, stream);
     }
   }
   return LaunchKernel<kRead, false, kMP>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
-                                         out_v, assign_p, stream);
+                                         out_v, assign, stream);
 }
 
 template <SmatReadKind kRead>
 cudaError_t Launch(const SmatCudaDims& d, const SmatTokenGroups& groups, int segments,
                    const float* M, const SmatMatrixLayout& lay, const void* a, const void* v,
                    const float* g, const SmatTokenWeights& w, float* out_p, float* out_r,
-                   float* out_v, bool assign_p, cudaStream_t stream) {
+                   float* out_v, bool assign, cudaStream_t stream) {
   if constexpr (kRead != SmatReadKind::kMatVec) {
     if (SmatBf16SplitParts() == 1) {
       return LaunchWith<kRead, 1>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
-                                  assign_p, stream);
+                                  assign, stream);
     }
   }
-  return LaunchWith<kRead, 3>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v,
-                              assign_p, stream);
+  return LaunchWith<kRead, 3>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r, out_v, assign,
+                              stream);
 }
 
 }  // namespace
@@ -327,18 +328,18 @@ cudaError_t LaunchSmatReadsBf16(const SmatCudaDims& d, const SmatTokenGroups& gr
                                 SmatReadKind kind, const float* M, const SmatMatrixLayout& lay,
                                 const void* a, const void* v, const float* g,
                                 const SmatTokenWeights& w, float* out_p, float* out_r, float* out_v,
-                                bool assign_p, cudaStream_t stream) {
+                                bool assign, cudaStream_t stream) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   switch (kind) {
     case SmatReadKind::kVecMat:
       return Launch<SmatReadKind::kVecMat>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
-                                           out_v, assign_p, stream);
+                                           out_v, assign, stream);
     case SmatReadKind::kMatVec:
       return Launch<SmatReadKind::kMatVec>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
-                                           out_v, assign_p, stream);
+                                           out_v, assign, stream);
     case SmatReadKind::kBoth:
       return Launch<SmatReadKind::kBoth>(d, groups, segments, M, lay, a, v, g, w, out_p, out_r,
-                                         out_v, assign_p, stream);
+                                         out_v, assign, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -204,9 +204,10 @@ __device__ __forceinline__ void StageScaledRows(const float (&hi)[kN][4], const 
 
 // out[rows[t0 + m]][n] += ys[m][n] for the warp's rows t0 + m < nt and
 // columns n < width, 16 bytes a lane: two rows a warp access, every lane's
-// old values loaded before the first add.
+// old values loaded before the first add (= with assign: 0 + y, the bits of
+// old + y with old = 0).
 __device__ __forceinline__ void AddStagedRows(const float* ys, int t0, int nt, const int64_t* rows,
-                                              int width, float* __restrict__ out) {
+                                              int width, bool assign, float* __restrict__ out) {
   const int lane = threadIdx.x & 31, c = 4 * (lane & 15);
   const int rows_here = min(16, nt - t0);
   const bool mine = c < width;
@@ -216,7 +217,7 @@ __device__ __forceinline__ void AddStagedRows(const float* ys, int t0, int nt, c
   for (int i = 0; i < 8; ++i) {
     const int m = 2 * i + (lane >> 4);
     old[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mine && m < rows_here) {
+    if (!assign && mine && m < rows_here) {
       old[i] = *reinterpret_cast<const float4*>(out + rows[t0 + m] * width + c);
     }
   }
@@ -237,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
                             const __nv_bfloat16* __restrict__ phi, const float* __restrict__ gbar,
                             SmatTokenWeights tw, SmatMatrixLayout out_lay,
                             float* __restrict__ U_bar, float* __restrict__ phi_bar,
-                            SmatGbarFactors gf, bool vec) {
+                            SmatGbarFactors gf, bool vec, bool assign) {
   extern __shared__ uint4 smem_u4[];
   char* smem = reinterpret_cast<char*>(smem_u4);
   __nv_bfloat16* Ms = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -294,11 +295,11 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
           if (vec) {
             StageScaledRows(hi, lo, 16 * warp, j0n, nt, s, gcol, mcol, ys);
           } else {
-            StoreRows<4, Den::kGScaled>(hi, lo, 16 * warp, j0n, nt, rows, s, gcol, mcol, r, false,
+            StoreRows<4, Den::kGScaled>(hi, lo, 16 * warp, j0n, nt, rows, s, gcol, mcol, r, assign,
                                         phi_bar);
           }
         }
-        if (vec) AddStagedRows(ys, 16 * warp, nt, rows, r, phi_bar);
+        if (vec) AddStagedRows(ys, 16 * warp, nt, rows, r, assign, phi_bar);
       }
       __syncthreads();  // the first plane's d_o rows are read; ys is done
       if (vec) mma_tiles::FillPadColumns<kC, kLdT, kThreads>(Gs + kTokPlane, 2, p, zero);
@@ -311,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, kP == 1 ? 3 : 2)
       for (int j0n = 0; j0n < n_tiles; j0n += 4) {
         float hi[4][4], lo[4][4];
         Product<kP, 4, false, kP>(a_addr, b_plain, kv, j0n, n_tiles, hi, lo);
-        StoreRows<4, Den::kG>(hi, lo, 16 * warp, j0n, nt, rows, nullptr, gcol, mcol, r, false,
+        StoreRows<4, Den::kG>(hi, lo, 16 * warp, j0n, nt, rows, nullptr, gcol, mcol, r, assign,
                               phi_bar);
       }
     }
@@ -342,7 +343,7 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTok
                                             const SmatMatrixLayout& lay, const void* phi,
                                             const float* gbar, const SmatTokenWeights& w,
                                             const SmatMatrixLayout& out_lay, float* U_bar,
-                                            float* phi_bar, cudaStream_t stream,
+                                            float* phi_bar, bool assign, cudaStream_t stream,
                                             const SmatGbarFactors* factors) {
   if (groups.num_groups == 0 || d.batch * d.H == 0) return cudaSuccess;
   const bool by_factors = factors != nullptr;
@@ -363,7 +364,7 @@ cudaError_t LaunchSmatTypeReadsBackwardBf16(const SmatCudaDims& d, const SmatTok
     const dim3 grid = cuda_detail::GroupGrid(segments, groups.num_groups, d.batch * d.H);
     kernel<<<grid, kThreads, kFusedSmemBytes<kP>, stream>>>(
         d, groups, segments, U, lay, static_cast<const __nv_bfloat16*>(phi), gbar, w, out_lay,
-        U_bar, phi_bar, gf, vec);
+        U_bar, phi_bar, gf, vec, assign);
     return cudaGetLastError();
   };
   auto with_parts = [&](auto by_do) {

@@ -565,23 +565,39 @@ int64_t SmatChunkBackwardScratchFloats(const SmatCudaDims& d) {
   return bh * d.Lc * (W + 1) + bh * runs * (2 * W + 1);
 }
 
-cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool do_bf16,
-                                    const void* o, bool o_bf16, const float* den, float eps,
-                                    const void* phi, const void* psi, const void* v,
-                                    const float* lam, const float* chunk_decay, const float* S_in,
-                                    float* gbar, float* dlam_row, float* phi_bar, float* psi_bar,
-                                    float* v_bar, float* scratch, cudaStream_t stream,
-                                    bool gbar_column_only) {
+namespace {
+
+// The scratch of ChunkBackward (SmatChunkBackwardScratchFloats), in order.
+struct BackwardScratch {
+  float *local, *scale, *total, *carry, *decay;
+};
+
+BackwardScratch SplitScratch(const SmatCudaDims& d, const SmatChunkRuns& rs, float* scratch) {
+  const int64_t bh = static_cast<int64_t>(d.batch) * d.H, W = static_cast<int64_t>(d.r) * d.p;
+  const int runs = rs.seg_d + rs.seg_r;
+  BackwardScratch b;
+  b.local = scratch;
+  b.scale = b.local + bh * d.Lc * W;
+  b.total = b.scale + bh * d.Lc;
+  b.carry = b.total + bh * runs * W;
+  b.decay = b.carry + bh * runs * W;
+  return b;
+}
+
+}  // namespace
+
+cudaError_t LaunchSmatChunkBackwardStates(const SmatCudaDims& d, const void* d_o, bool do_bf16,
+                                          const void* o, bool o_bf16, const float* den, float eps,
+                                          const void* phi, const float* lam,
+                                          const float* chunk_decay, float* gbar, float* dlam_row,
+                                          float* scratch, cudaStream_t stream,
+                                          bool gbar_column_only) {
   if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
   if (gbar_column_only && !do_bf16) return cudaErrorInvalidValue;  // B7 needs gbar's factors
   const SmatChunkRuns rs = PlanRuns(d);
   const int64_t bh = static_cast<int64_t>(d.batch) * d.H, W = static_cast<int64_t>(d.r) * d.p;
   const int runs = rs.seg_d + rs.seg_r;
-  float* local = scratch;
-  float* scale = local + bh * d.Lc * W;
-  float* total = scale + bh * d.Lc;
-  float* carry = total + bh * runs * W;
-  float* decay = carry + bh * runs * W;
+  const BackwardScratch sc = SplitScratch(d, rs, scratch);
   const bool gated = lam != nullptr;
   const bool vec = d.r % 8 == 0 && fast_tiles::Aligned16(phi);
   {
@@ -598,15 +614,28 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool
     kernel<<<dim3(static_cast<unsigned>(bh), static_cast<unsigned>(runs)), kThreads, kSmemBytes,
              stream>>>(d, vec, rs, d_o, do_bf16, o, o_bf16, den, eps,
                        static_cast<const __nv_bfloat16*>(phi), lam, chunk_decay, gbar,
-                       gbar_column_only, dlam_row, local, scale, total, decay);
+                       gbar_column_only, dlam_row, sc.local, sc.scale, sc.total, sc.decay);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   RunCarriesKernel<<<dim3(static_cast<unsigned>((W + 255) / 256), static_cast<unsigned>(bh)), 256,
-                     0, stream>>>(d, rs, total, gated ? decay : nullptr, carry);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+                     0, stream>>>(d, rs, sc.total, gated ? sc.decay : nullptr, sc.carry);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSmatChunkBackwardTiles(const SmatCudaDims& d, const void* d_o, bool do_bf16,
+                                         const float* den, const void* phi, const void* psi,
+                                         const void* v, const float* lam, const float* chunk_decay,
+                                         const float* S_in, const float* gbar, float* phi_bar,
+                                         float* psi_bar, float* v_bar, const float* scratch,
+                                         cudaStream_t stream, bool gbar_column_only,
+                                         const SmatChunkBackwardAdds* adds) {
+  if (d.Lc == 0 || d.batch * d.H == 0) return cudaSuccess;
+  if (gbar_column_only && !do_bf16) return cudaErrorInvalidValue;  // B7 needs gbar's factors
+  const SmatChunkRuns rs = PlanRuns(d);
+  const BackwardScratch sc = SplitScratch(d, rs, const_cast<float*>(scratch));
   SmatDBarCarry dc;
-  dc.carry = carry;
-  dc.scale = gated ? scale : nullptr;
+  dc.carry = sc.carry;
+  dc.scale = lam != nullptr ? sc.scale : nullptr;
   dc.runs = rs;
   // With bf16 d_o, B7 takes gbar's columns < dv as d_o and 1 / den
   // (SmatGbarFactors): one exact part in its products instead of three.
@@ -616,9 +645,9 @@ cudaError_t LaunchSmatChunkBackward(const SmatCudaDims& d, const void* d_o, bool
     gf.den = den;
     if (gbar_column_only) gf.gden = gbar;
   }
-  return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar, local,
+  return LaunchSmatChunkOutputsBackwardFused(d, phi, psi, v, lam, chunk_decay, S_in, gbar, sc.local,
                                              phi_bar, psi_bar, v_bar, /*assign=*/true, stream, &dc,
-                                             &gf);
+                                             &gf, adds);
 }
 
 }  // namespace smat

@@ -427,12 +427,22 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     both("TypeReadsBackward", [&](SmatKernels& k, const Get& t, const Opt& o) {
       return k.TypeReadsBackward(plan, span, t("phi"), t("U"), t("gbar"), o("lam"),
                                  o("chunk_decay"), o("recent_offset"), o("type"), &t("phi_bar"),
-                                 &t("U_bar"), nullptr);
+                                 &t("U_bar"), SmatWrite::kAdd, nullptr);
     });
     // With n = 0 there is no distant block and no recent token reads U.
     const bool reads = recent && plan.n > 0;
     pb.Compare("TypeReadsBackward", "U_bar", TileTol(cs.bf16, tol), reads);
     pb.Compare("TypeReadsBackward", "phi_bar", TileTol(cs.bf16, tol), true);
+    // Written (=): the recent rows from a random start both sides share, so
+    // that a row added to or left unwritten fails; the distant rows keep it.
+    pb.Acc("phi_bar_set_lr", {b, L, H, r}, 113);
+    pb.Out("U_bar_set_lr", {b, H, Bt, r, p});
+    both("TypeReadsBackward (=)", [&](SmatKernels& k, const Get& t, const Opt& o) {
+      return k.TypeReadsBackward(
+          plan, span, t("phi"), t("U"), t("gbar"), o("lam"), o("chunk_decay"), o("recent_offset"),
+          o("type"), &t("phi_bar_set_lr"), &t("U_bar_set_lr"), SmatWrite::kAssign, nullptr);
+    });
+    pb.Compare("TypeReadsBackward (=)", "phi_bar_set_lr", TileTol(cs.bf16, tol), true);
     // The same sums from gbar's factors (a bf16 d_o, den and gbar's column
     // dv), against the CPU's TypeReadsBackward on the gbar those make.
     if (cs.bf16) {
@@ -446,29 +456,44 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
       pb.Put("gden", HostF32(gden, {b, L, H}));
       pb.Acc("phi_bar_tf", {b, L, H, r}, 112);
       pb.Out("U_bar_tf", {b, H, Bt, r, p});
-      SMAT_ASSERT_OK(ck->TypeReadsBackward(
-          plan, span, pb.C("phi"), pb.C("U"), pb.C("gbar_fb"), pb.CU("lam"), pb.CU("chunk_decay"),
-          pb.CU("recent_offset"), pb.CU("type"), &pb.C("phi_bar_tf"), &pb.C("U_bar_tf"), nullptr));
-      auto factored = [&](Tensor* phi_bar, Tensor* U_bar) {
+      SMAT_ASSERT_OK(
+          ck->TypeReadsBackward(plan, span, pb.C("phi"), pb.C("U"), pb.C("gbar_fb"), pb.CU("lam"),
+                                pb.CU("chunk_decay"), pb.CU("recent_offset"), pb.CU("type"),
+                                &pb.C("phi_bar_tf"), &pb.C("U_bar_tf"), SmatWrite::kAdd, nullptr));
+      auto factored = [&](Tensor* phi_bar, Tensor* U_bar, SmatWrite write) {
         return gk->TypeReadsBackwardFromFactors(
             plan, span, pb.G("phi"), pb.G("U"), pb.G("d_o_bf16"), pb.G("den"), pb.G("gden"),
             pb.GU("lam"), pb.GU("chunk_decay"), pb.GU("recent_offset"), pb.GU("type"), phi_bar,
-            U_bar, nullptr);
+            U_bar, write, nullptr);
       };
       const Tensor phi_bar_start = ToHost(*gpu_, pb.G("phi_bar_tf")).value();
-      SMAT_ASSERT_OK_AND_ASSIGN(const bool ran, factored(&pb.G("phi_bar_tf"), &pb.G("U_bar_tf")));
+      SMAT_ASSERT_OK_AND_ASSIGN(const bool ran,
+                                factored(&pb.G("phi_bar_tf"), &pb.G("U_bar_tf"), SmatWrite::kAdd));
       if (ran) {
         ++factored_reads_cases;
         Tensor pb2 = ToDevice(*gpu_, phi_bar_start).value();
         Tensor ub2 = Tensor::Empty({b, H, Bt, r, p}, DType::kF32, gpu_->allocator()).value();
         SMAT_ASSERT_OK(gpu_->Fill(ub2, std::nan("")));
-        SMAT_ASSERT_OK_AND_ASSIGN(const bool again, factored(&pb2, &ub2));
+        SMAT_ASSERT_OK_AND_ASSIGN(const bool again, factored(&pb2, &ub2, SmatWrite::kAdd));
         EXPECT_TRUE(again);
         ExpectSameBits(*gpu_,
                        {{"phi_bar", &pb.G("phi_bar_tf"), &pb2}, {"U_bar", &pb.G("U_bar_tf"), &ub2}},
                        "two TypeReadsBackwardFromFactors calls differ");
         pb.Compare("TypeReadsBackward (factors)", "U_bar_tf", TileTol(cs.bf16, tol), reads);
         pb.Compare("TypeReadsBackward (factors)", "phi_bar_tf", TileTol(cs.bf16, tol), true);
+        // Written (=), as TypeReadsBackward (=) above.
+        pb.Acc("phi_bar_tf_set", {b, L, H, r}, 114);
+        pb.Out("U_bar_tf_set", {b, H, Bt, r, p});
+        SMAT_ASSERT_OK(ck->TypeReadsBackward(
+            plan, span, pb.C("phi"), pb.C("U"), pb.C("gbar_fb"), pb.CU("lam"), pb.CU("chunk_decay"),
+            pb.CU("recent_offset"), pb.CU("type"), &pb.C("phi_bar_tf_set"), &pb.C("U_bar_tf_set"),
+            SmatWrite::kAssign, nullptr));
+        SMAT_ASSERT_OK_AND_ASSIGN(
+            const bool set,
+            factored(&pb.G("phi_bar_tf_set"), &pb.G("U_bar_tf_set"), SmatWrite::kAssign));
+        EXPECT_TRUE(set);
+        pb.Compare("TypeReadsBackward (factors, =)", "phi_bar_tf_set", TileTol(cs.bf16, tol), true);
+        pb.Compare("TypeReadsBackward (factors, =)", "U_bar_tf_set", TileTol(cs.bf16, tol), reads);
       } else {
         const Tensor x = ToHost(*gpu_, pb.G("U_bar_tf")).value();
         EXPECT_TRUE(std::isnan(static_cast<const float*>(x.raw())[0]))
@@ -484,10 +509,20 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
     both("ProfilePoolingBackward", [&](SmatKernels& k, const Get& t, const Opt& o) {
       return k.ProfilePoolingBackward(plan, span, t("psi"), t("v"), o("lam"), o("chunk_decay"),
                                       o("tail"), o("prof"), t("F_bar"), &t("psi_bar"), &t("v_bar"),
-                                      nullptr);
+                                      SmatWrite::kAdd, nullptr);
     });
     pb.Compare("ProfilePoolingBackward", "psi_bar", TileTol(cs.bf16, tol), true);
     pb.Compare("ProfilePoolingBackward", "v_bar", TileTol(cs.bf16, tol), true);
+    // Written (=), as TypeReadsBackward (=) above: the distant rows.
+    pb.Acc("psi_bar_set_lr", {b, L, H, r}, 115);
+    pb.Acc("v_bar_set_lr", {b, L, H, dv}, 116);
+    both("ProfilePoolingBackward (=)", [&](SmatKernels& k, const Get& t, const Opt& o) {
+      return k.ProfilePoolingBackward(plan, span, t("psi"), t("v"), o("lam"), o("chunk_decay"),
+                                      o("tail"), o("prof"), t("F_bar"), &t("psi_bar_set_lr"),
+                                      &t("v_bar_set_lr"), SmatWrite::kAssign, nullptr);
+    });
+    pb.Compare("ProfilePoolingBackward (=)", "psi_bar_set_lr", TileTol(cs.bf16, tol), true);
+    pb.Compare("ProfilePoolingBackward (=)", "v_bar_set_lr", TileTol(cs.bf16, tol), true);
     pb.Out("S_in_bar", {b, Lc, H, r, p});
     both("ChunkStateGradients", [&](SmatKernels& k, const Get& t, const Opt& o) {
       return k.ChunkStateGradients(plan, span, t("phi"), t("gbar"), o("lam"), &t("S_in_bar"),
@@ -559,7 +594,8 @@ TEST_F(SmatGpuTest, EveryPhaseMatchesCpu) {
                        Tensor* v_bar) {
         return gk->ChunkBackward(plan, span, pb.G(grad), pb.G("o"), pb.G("den"), eps, pb.G("phi"),
                                  pb.G("psi"), pb.G("v"), pb.GU("lam"), pb.GU("chunk_decay"),
-                                 pb.G("S_in"), gbar, dlam, phi_bar, psi_bar, v_bar, nullptr);
+                                 pb.G("S_in"), gbar, dlam, phi_bar, psi_bar, v_bar,
+                                 SmatLongRangeBackward(), nullptr);
       };
       SMAT_ASSERT_OK_AND_ASSIGN(const bool ran,
                                 fused(&pb.G("gbar_c"), gated ? &pb.G("dlam_row_c") : nullptr,

@@ -351,5 +351,68 @@ TEST_F(SmatOpGpuTest, InferenceWalkWithShorterRecentSegments) {
   }
 }
 
+// ChunkBackward runs the long-range branch before B7 where B7 can add to its
+// rows (ungated bf16 at r = dv = 64 on warpgroup MMAs; SMAT_CUDA_LONG_RANGE_FIRST)
+// and after it elsewhere; each gradient element is then the same two fp32
+// terms added once, in either order, so the gradients are the same values
+// both ways (compared as floats: a zero may change its sign). Positional and
+// content maps (whose rows the branch zeroes before it adds), bf16 d_o as
+// the trainer passes it, against the CPU op too.
+TEST_F(SmatOpGpuTest, LongRangeBranchBeforeOrAfterTheTiles) {
+  const char* env = std::getenv("SMAT_CUDA_LONG_RANGE_FIRST");
+  const bool had_env = env != nullptr;
+  const std::string env_before = had_env ? env : "";
+  for (const bool content : {false, true}) {
+    SCOPED_TRACE(content ? "content maps" : "positional maps");
+    ProblemSpec sp = BenchmarkWidths(3000 + 59, /*gated=*/false, /*seed=*/content ? 53 : 51);
+    sp.content = content;
+    SMAT_ASSERT_OK_AND_ASSIGN(SmatPlan plan, MakeSmatPlan(sp.T, sp.d, sp.chunk));
+    SmatReferenceProblem pr = RandomProblem(plan, sp);
+    for (auto* v : {&pr.phi, &pr.psi, &pr.v}) {
+      for (double& x : *v) x = Bf16ToFloat(FloatToBf16(static_cast<float>(x)));
+    }
+    std::vector<double> d_o = RandomVector(sp.batch * sp.T * sp.H * sp.dv, sp.seed + 99);
+    for (double& x : d_o) x = Bf16ToFloat(FloatToBf16(static_cast<float>(x)));
+    ASSERT_EQ(setenv("SMAT_CUDA_LONG_RANGE_FIRST", "1", 1), 0);
+    absl::StatusOr<OpResult> first = RunOp(*gpu_, plan, pr, true, d_o, /*do_bf16=*/true);
+    ASSERT_EQ(setenv("SMAT_CUDA_LONG_RANGE_FIRST", "0", 1), 0);
+    absl::StatusOr<OpResult> after = RunOp(*gpu_, plan, pr, true, d_o, /*do_bf16=*/true);
+    if (had_env) {
+      setenv("SMAT_CUDA_LONG_RANGE_FIRST", env_before.c_str(), 1);
+    } else {
+      unsetenv("SMAT_CUDA_LONG_RANGE_FIRST");
+    }
+    ASSERT_TRUE(first.ok()) << first.status();
+    ASSERT_TRUE(after.ok()) << after.status();
+    SMAT_ASSERT_OK_AND_ASSIGN(OpResult cpu, RunOp(*cpu_, plan, pr, true, d_o));
+    ASSERT_EQ(first->host.size(), 4u);  // o and three gradients (ungated)
+    ASSERT_EQ(after->host.size(), 4u);
+    const char* names[] = {"o", "d_phi", "d_psi", "d_v"};
+    for (size_t i = 0; i < 4; ++i) {
+      SCOPED_TRACE(names[i]);
+      const std::vector<double> x = Values(first->host[i]), y = Values(after->host[i]),
+                                c = Values(cpu.host[i]);
+      ASSERT_EQ(x.size(), y.size());
+      int64_t differ = 0;
+      double err = 0.0;
+      for (size_t j = 0; j < x.size(); ++j) {
+        differ += !(x[j] == y[j]);  // NaN differs too
+        err = std::isfinite(x[j]) ? std::max(err, std::abs(x[j] - c[j])) : INFINITY;
+      }
+      err /= std::max(MaxAbs(c), kGradScaleFloor);
+      std::printf(
+          "long-range branch first (%s): %-5s %lld of %zu differ from it after; "
+          "against the CPU %.3g\n",
+          content ? "content" : "positional", names[i], static_cast<long long>(differ), x.size(),
+          err);
+      EXPECT_EQ(differ, 0) << "the long-range branch before the tiles gave other values";
+      EXPECT_GT(MaxAbs(c), 0.0);
+      EXPECT_LE(err, i == 0           ? TileTol(true, kBf16OutTol)
+                     : Bf16Products() ? kBf16ProductsOpGradTol
+                                      : kBf16OpGradTol);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace smat
