@@ -637,15 +637,16 @@ bool SmatChunkBackwardFusedFits(const SmatCudaDims& d) {
   return SmatDeviceRunsMma(kSmemBytes<3>);  // the larger of the two
 }
 
-bool SmatLongRangeFirst() {
+bool SmatLongRangeFirst(bool by_default) {
   const char* env = std::getenv("SMAT_CUDA_LONG_RANGE_FIRST");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) return true;
+  if (env == nullptr || *env == '\0') return by_default;
+  if (std::strcmp(env, "1") == 0) return true;
   if (std::strcmp(env, "0") == 0) return false;
   static std::once_flag warned;
   std::call_once(warned, [env] {
-    std::fprintf(stderr, "smat: SMAT_CUDA_LONG_RANGE_FIRST=\"%s\" is not 0 or 1; using 1\n", env);
+    std::fprintf(stderr, "smat: SMAT_CUDA_LONG_RANGE_FIRST=\"%s\" is not 0 or 1; ignored\n", env);
   });
-  return true;
+  return by_default;
 }
 
 bool SmatChunkBackwardTilesAdd(const SmatCudaDims& d, const void* phi, const void* psi,

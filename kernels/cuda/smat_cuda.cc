@@ -406,9 +406,12 @@ class CudaSmatKernels final : public SmatKernels {
     // The long-range branch before B7 where B7 can add to its rows (on
     // warpgroup MMAs): then those rows are read back once, by B7, beside its
     // products, instead of by the branch's own adds (see
-    // SmatLongRangeFirst).
+    // SmatLongRangeFirst). By default only where the incidence is the
+    // identity (d = 2): at d = 3 the per-type reads' adjoint gains nothing
+    // from writing, and B7's adds cost more than the pooling's adjoint saves
+    // (docs/PERFORMANCE.md, forty-second pass).
     const bool first =
-        long_range && do_bf16 && SmatLongRangeFirst() &&
+        long_range && do_bf16 && SmatLongRangeFirst(plan.geo.IncidenceIsIdentity()) &&
         SmatChunkBackwardTilesAdd(d, phi.raw(), psi.raw(), v.raw(), F32(lam), d_o.raw(), F32(S_in),
                                   F32(phi_bar), F32(psi_bar), F32(v_bar));
     SmatChunkBackwardAdds adds;

@@ -408,12 +408,12 @@ bool SmatChunkBackwardTilesAdd(const SmatCudaDims& dims, const void* phi, const 
                                const void* v, const float* lam, const void* d_o, const float* S_in,
                                const float* phi_bar, const float* psi_bar, const float* v_bar);
 // Whether ChunkBackward runs the long-range branch before B7 where B7 can add
-// (SmatChunkBackwardTilesAdd): yes unless SMAT_CUDA_LONG_RANGE_FIRST is "0"
-// (the branch then adds after B7, as on every other path). Read on every
-// call; any other value than "0" or "1" is reported once on stderr and the
-// default kept. The gradients are the same either way (SmatKernels::
-// ChunkBackward).
-bool SmatLongRangeFirst();
+// (SmatChunkBackwardTilesAdd): SMAT_CUDA_LONG_RANGE_FIRST "1" yes, "0" no
+// (the branch then adds after B7, as on every other path); unset,
+// `by_default`. Read on every call; any other value is reported once on
+// stderr and the default kept. The gradients are the same either way
+// (SmatKernels::ChunkBackward).
+bool SmatLongRangeFirst(bool by_default);
 
 // ---- smat_reads_bwd_bf16.cu -----------------------------------------------------
 
