@@ -118,15 +118,14 @@ absl::Status GroupedSum(const SmatCudaDims& d, const SmatTokenGroups& groups, in
                         const SmatMatrixLayout& lay, float* out, CudaScratch* scratch,
                         cudaStream_t s, const char* what, int64_t tokens = kTokensPerSegment);
 
-// The adjoint of TypeReads on checked tensors: U_bar (written in full) and
-// phi_bar's recent rows += (or =, `write`) from gbar or, for the bf16 kernel,
-// from gbar's factors (gbar is then nullptr).
-
 // Rows [i0, i1) of every batch entry of `t` ([batch, L, H, width] fp32) set
 // to 0 on `s`; `what` names the phase in errors.
 absl::Status ZeroTokenRows(const SmatCudaDims& d, int64_t i0, int64_t i1, int width, Tensor* t,
                            cudaStream_t s, const char* what);
 
+// The adjoint of TypeReads on checked tensors: U_bar (written in full) and
+// phi_bar's recent rows += (or =, `write`) from gbar or, for the bf16 kernel,
+// from gbar's factors (gbar is then nullptr).
 absl::Status RecentTypeReadsBackward(const SmatPlan& plan, const SmatSpan& span,
                                      const SmatCudaDims& d, const Tensor& phi, const Tensor& U,
                                      const float* gbar, const SmatGbarFactors* factors,
