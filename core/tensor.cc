@@ -1,7 +1,6 @@
 #include "core/tensor.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -47,27 +46,6 @@ std::string Device::ToString() const {
   return kind == DeviceKind::kCpu ? std::string("cpu") : absl::StrCat("cuda:", index);
 }
 
-namespace {
-class HostAllocator final : public Allocator {
- public:
-  Device device() const override { return Device::Cpu(); }
-  absl::StatusOr<void*> Allocate(size_t bytes) override {
-    size_t rounded = (bytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
-    if (p == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("host allocation of ", bytes, " bytes failed"));
-    }
-    RecordAllocate(p, rounded == 0 ? 64 : rounded);
-    return p;
-  }
-  void Free(void* ptr) override {
-    if (ptr == nullptr) return;
-    RecordFree(ptr);
-    std::free(ptr);
-  }
-};
-}  // namespace
-
 Allocator::Stats Allocator::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
@@ -91,11 +69,6 @@ void Allocator::RecordFree(void* ptr) {
   if (it == sizes_.end()) return;
   stats_.in_use_bytes -= static_cast<int64_t>(it->second);
   sizes_.erase(it);
-}
-
-Allocator& CpuAllocator() {
-  static HostAllocator* alloc = new HostAllocator();  // never destroyed: outlives all tensors
-  return *alloc;
 }
 
 int64_t NumElements(absl::Span<const int64_t> shape) {

@@ -72,7 +72,8 @@ class Allocator {
   Stats stats_;
 };
 
-// 64-byte aligned host memory. Process-wide and stateless, so sharing it is safe.
+// 64-byte aligned host memory, freed blocks cached for reuse
+// (CachingHostAllocator, core/host_allocator.h). Process-wide and thread-safe.
 Allocator& CpuAllocator();
 
 using Shape = std::vector<int64_t>;
