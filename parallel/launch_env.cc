@@ -116,6 +116,15 @@ std::string PhysicalGpu(int device, const std::string& visible_devices) {
   return absl::StrCat(device);
 }
 
+int CpuThreadsPerRank(const EnvironmentLookup& lookup, int local_size, int allowed_cpus,
+                      int host_cpus) {
+  for (const char* name : {"OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    if (lookup(name) != nullptr) return 0;
+  }
+  if (local_size <= 1 || host_cpus <= 0 || allowed_cpus < host_cpus) return 0;
+  return std::max(1, host_cpus / local_size);
+}
+
 std::string FormatPlacementTable(const std::vector<RankPlacement>& ranks,
                                  const std::string& launcher) {
   std::set<std::string> hosts;

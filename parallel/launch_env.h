@@ -60,6 +60,21 @@ int GpuForLocalRank(int local_rank, const std::string& visible_devices);
 // CUDA_VISIBLE_DEVICES ("2,3" -> device 1 is "3"), or the index itself.
 std::string PhysicalGpu(int device, const std::string& visible_devices);
 
+// The threads a rank's CPU products (OpenBLAS) should run on, or 0 to leave
+// OpenBLAS's own choice:
+// - 0 where OPENBLAS_NUM_THREADS, GOTO_NUM_THREADS or OMP_NUM_THREADS is set
+//   (OpenBLAS reads them itself: the user's choice stands);
+// - 0 where the launcher bound the rank to some of its host's CPUs
+//   (allowed_cpus < host_cpus): OpenBLAS then counts only those;
+// - else, where local_size ranks share the host, host_cpus / local_size (at
+//   least 1). Unbound, each rank's OpenBLAS would start a thread per CPU of
+//   the host, and the ranks' spinning waits would take the CPUs from each
+//   other's work (torchrun sets OMP_NUM_THREADS=1 for the same reason). With
+//   two ranks on two CPUs (make demo) a step took 123-200 ms on two threads a
+//   rank, 110-114 on one.
+int CpuThreadsPerRank(const EnvironmentLookup& lookup, int local_size, int allowed_cpus,
+                      int host_cpus);
+
 // One rank's placement, for the table rank 0 prints at start.
 struct RankPlacement {
   int rank = 0;

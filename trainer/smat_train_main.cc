@@ -10,6 +10,7 @@
 // so a bad config, a missing or damaged data file or an impossible shape stops
 // every rank with its message and exit code 2, never one rank hanging in a
 // collective. Exit codes: core/exit_codes.h.
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -32,6 +33,8 @@
 #include "core/exit_codes.h"
 #include "core/status.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "parallel/launch_env.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/process_group.h"
 #include "parallel/rank_placement.h"
@@ -124,6 +127,23 @@ absl::Status BuildGroupAndBackend(Setup& s) {
   if (!device.is_cpu()) device = Device::Cuda(s.pg->device() >= 0 ? s.pg->device() : 0);
   SMAT_ASSIGN_OR_RETURN(s.backend, CreateBackend(device));
   return absl::OkStatus();
+}
+
+// Where CPU ranks share a host, their BLAS threads share its CPUs
+// (CpuThreadsPerRank). Returns the line to print, "" where OpenBLAS keeps its
+// own choice.
+std::string ShareCpusAmongRanks(const ProcessGroup& pg) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int allowed = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  const int host = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  const int threads = CpuThreadsPerRank(std::getenv, pg.local_size(), allowed, host);
+  if (threads == 0) return "";
+  SetCpuBlasThreads(threads);
+  return absl::StrFormat(
+      "smat: BLAS on %d thread%s per rank: %d ranks share the %d CPUs of rank 0's host "
+      "(OPENBLAS_NUM_THREADS chooses)",
+      threads, threads == 1 ? "" : "s", pg.local_size(), host);
 }
 
 std::string DescribeRun(const Setup& s) {
@@ -268,6 +288,10 @@ int Main(int argc, char** argv) {
   if (!placement.ok()) return fail(placement.status());
   ProgressPrinter progress(stdout, rank == 0);
   progress.Line(*placement);
+  if (s.backend->device().is_cpu()) {
+    const std::string blas = ShareCpusAmongRanks(*s.pg);
+    if (!blas.empty()) progress.Line(blas);
+  }
 
   // 3. Data, model and optimizer.
   absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(s.config, *s.pg, *s.backend);

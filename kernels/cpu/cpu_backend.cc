@@ -87,6 +87,10 @@ const float* AsFloat(const Tensor& t, std::vector<float>& scratch) {
 
 }  // namespace
 
+int CpuBlasThreads() { return openblas_get_num_threads(); }
+
+void SetCpuBlasThreads(int threads) { openblas_set_num_threads(std::max(threads, 1)); }
+
 CpuBackend::CpuBackend() : smat_(MakeCpuSmatKernels()), model_(MakeCpuModelKernels()) {}
 CpuBackend::~CpuBackend() = default;
 

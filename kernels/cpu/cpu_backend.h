@@ -53,4 +53,11 @@ class CpuBackend final : public Backend {
   std::unique_ptr<ModelKernels> model_;
 };
 
+// The threads OpenBLAS runs each of this process's products on: its own
+// choice (OPENBLAS_NUM_THREADS, else one per CPU the process may use) until
+// SetCpuBlasThreads (threads >= 1; smat_train sets it where ranks share a
+// host, parallel/launch_env.h CpuThreadsPerRank).
+int CpuBlasThreads();
+void SetCpuBlasThreads(int threads);
+
 }  // namespace smat

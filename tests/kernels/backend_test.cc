@@ -192,6 +192,21 @@ TEST(CreateBackendTest, CudaIndexOutOfRangeIsAnError) {
   EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// --- BLAS threads ------------------------------------------------------------
+
+TEST(CpuBackendTest, BlasThreadsAreSetInOpenBlas) {
+  const int before = CpuBlasThreads();
+  ASSERT_GE(before, 1);
+  SetCpuBlasThreads(1);
+  EXPECT_EQ(CpuBlasThreads(), 1);
+  SetCpuBlasThreads(2);
+  EXPECT_EQ(CpuBlasThreads(), 2);
+  SetCpuBlasThreads(0);  // at least one
+  EXPECT_EQ(CpuBlasThreads(), 1);
+  SetCpuBlasThreads(before);
+  EXPECT_EQ(CpuBlasThreads(), before);
+}
+
 // --- streams and events ------------------------------------------------------
 
 TEST(CpuBackendTest, EventsMeasureHostTime) {

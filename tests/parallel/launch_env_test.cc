@@ -142,5 +142,28 @@ TEST(LaunchEnvTest, PlacementTable) {
             "     0  h         0  cpu");
 }
 
+TEST(LaunchEnvTest, CpuThreadsShareAnUnboundHost) {
+  // Two ranks on a 2-CPU host, not bound: one thread each.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), /*local_size=*/2, /*allowed_cpus=*/2, /*host_cpus=*/2), 1);
+  // Four ranks on 16 CPUs: four each; three on 16: five each (rounded down).
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 16, 16), 4);
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 3, 16, 16), 5);
+  // More ranks than CPUs: still one thread.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 8, 2, 2), 1);
+}
+
+TEST(LaunchEnvTest, CpuThreadsLeftAloneWhereTheyNeedNoShare) {
+  // One rank on the host: OpenBLAS's own choice (every CPU).
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 1, 16, 16), 0);
+  // Bound by the launcher to some CPUs: OpenBLAS counts only those.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 4, 16), 0);
+  // The CPU count unknown.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 0, 0), 0);
+  // The user chose: any of OpenBLAS's variables, whatever its value.
+  EXPECT_EQ(CpuThreadsPerRank(Env({{"OPENBLAS_NUM_THREADS", "2"}}), 2, 2, 2), 0);
+  EXPECT_EQ(CpuThreadsPerRank(Env({{"GOTO_NUM_THREADS", "2"}}), 2, 2, 2), 0);
+  EXPECT_EQ(CpuThreadsPerRank(Env({{"OMP_NUM_THREADS", "8"}}), 4, 16, 16), 0);
+}
+
 }  // namespace
 }  // namespace smat
