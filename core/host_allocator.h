@@ -6,7 +6,7 @@
 // munmap, so a training loop that allocates and frees the same activations
 // every step faults their pages in afresh each time. Over 40 steps of
 // configs/demo_cpu.textproto on one rank that was about 1.4 million page
-// faults and a fifth of the process's time in the kernel. A cached block is
+// faults and a quarter of the process's time in the kernel. A cached block is
 // handed out again with its pages already mapped.
 //
 // Sizes are rounded up to classes (64 B up to 4 KiB, 4 KiB up to 1 MiB,
@@ -50,7 +50,6 @@ class CachingHostAllocator final : public Allocator {
   absl::StatusOr<void*> Allocate(size_t bytes) override;
   void Free(void* ptr) override;
 
-  size_t capacity() const { return capacity_; }
   // Bytes of the blocks cached now (freed, not yet given back).
   size_t cached_bytes() const;
   // Gives every cached block back to the system.
