@@ -16,9 +16,10 @@ struct BenchRun {
   std::string output;
 };
 
-BenchRun RunBench(const std::string& args) {
+// env: "NAME=value ..." set for the run only.
+BenchRun RunBench(const std::string& args, const std::string& env = "") {
   BenchRun res;
-  FILE* p = popen(absl::StrCat(SMAT_BENCH_BINARY, " ", args, " 2>&1").c_str(), "r");
+  FILE* p = popen(absl::StrCat(env, " ", SMAT_BENCH_BINARY, " ", args, " 2>&1").c_str(), "r");
   if (p == nullptr) return res;
   char buf[4096];
   size_t got;
@@ -37,6 +38,25 @@ TEST(SmatBenchToolTest, TimesForwardAndBackward) {
   EXPECT_NE(res.output.find("T=4099 d=2"), std::string::npos) << res.output;
   EXPECT_NE(res.output.find("median of 3"), std::string::npos) << res.output;
   EXPECT_NE(res.output.find("tokens/s"), std::string::npos) << res.output;
+}
+
+// The host allocator's cache size (core/host_allocator.h) from the
+// environment: a bad value is reported and the default kept; 0 (no cache) and
+// a size run quietly. Each run's numbers are the op's, whatever the cache.
+TEST(SmatBenchToolTest, HostCacheSizeFromTheEnvironment) {
+  const std::string args = "smat --device cpu --T 1000 --d 2 --chunk 16 --r 8 --dv 5 --reps 2";
+  BenchRun bad = RunBench(args, "SMAT_HOST_ALLOCATOR_CACHE=lots");
+  ASSERT_EQ(bad.rc, 0) << bad.output;
+  EXPECT_NE(bad.output.find("SMAT_HOST_ALLOCATOR_CACHE=lots is not a size in MiB"),
+            std::string::npos)
+      << bad.output;
+  EXPECT_NE(bad.output.find("smat forward+backward"), std::string::npos) << bad.output;
+  for (const char* env : {"SMAT_HOST_ALLOCATOR_CACHE=0", "SMAT_HOST_ALLOCATOR_CACHE=64"}) {
+    BenchRun ok = RunBench(args, env);
+    ASSERT_EQ(ok.rc, 0) << env << "\n" << ok.output;
+    EXPECT_EQ(ok.output.find("SMAT_HOST_ALLOCATOR_CACHE"), std::string::npos) << ok.output;
+    EXPECT_NE(ok.output.find("smat forward+backward"), std::string::npos) << ok.output;
+  }
 }
 
 // On the GPU (tools_gpu_test): the phases, then the op itself, keeping what
