@@ -60,24 +60,31 @@ bool AllF32(std::initializer_list<const Tensor*> ts) {
   return true;
 }
 
-// SwiGLU on fp32 rows: the same arithmetic as the FloatIn / FloatOut loops of
-// SwiGluForward and SwiGluBackward (so the same bits), without their test of
-// the dtype at every element.
-void SwiGluForwardRows(const float* a, const float* b, int64_t n, float* o) {
+// An fp32 output written in place, with FloatOut's Set.
+struct F32Out {
+  float* p;
+  void Set(int64_t i, float v) const { p[i] = v; }
+};
+
+// SwiGLU's loops, one for every dtype: In is `const float*` or FloatIn, Out
+// F32Out or FloatOut. On fp32 tensors the raw pointers spare the loop a test
+// of the dtype at every element; the arithmetic is the same either way.
+template <class In, class Out>
+void SwiGluForwardLoop(const In& a, const In& b, int64_t n, const Out& o) {
   for (int64_t i = 0; i < n; ++i) {
     const float ai = a[i];
-    o[i] = ai * Sigmoid(ai) * b[i];
+    o.Set(i, ai * Sigmoid(ai) * b[i]);
   }
 }
 
-// d_gate may alias dy: each element is read before it is written.
-void SwiGluBackwardRows(const float* a, const float* b, const float* g, int64_t n, float* ga,
-                        float* gb) {
+template <class In, class Out>
+void SwiGluBackwardLoop(const In& a, const In& b, const In& g, int64_t n, const Out& ga,
+                        const Out& gb) {
   for (int64_t i = 0; i < n; ++i) {
     const float ai = a[i], s = Sigmoid(ai);
-    const float gi = g[i], bi = b[i];
-    gb[i] = gi * ai * s;
-    ga[i] = gi * bi * s * (1.f + ai * (1.f - s));
+    const float gi = g[i], bi = b[i];  // read first: d_gate may alias dy
+    gb.Set(i, gi * ai * s);
+    ga.Set(i, gi * bi * s * (1.f + ai * (1.f - s)));  // silu'(a) = s (1 + a (1 - s))
   }
 }
 
@@ -190,15 +197,9 @@ class CpuModelKernels final : public ModelKernels {
     SMAT_ASSIGN_OR_RETURN(RowsCols nf, CheckSwiGluForward(gate, up, y, kHost));
     const int64_t n = nf.rows * nf.cols;
     if (AllF32({&gate, &up, &y})) {
-      SwiGluForwardRows(gate.data<float>(), up.data<float>(), n, y.data<float>());
-      return absl::OkStatus();
-    }
-    const FloatIn a(gate);  // [N, F]
-    const FloatIn b(up);    // [N, F]
-    const FloatOut o(y);    // [N, F]
-    for (int64_t i = 0; i < n; ++i) {
-      const float ai = a[i];
-      o.Set(i, ai * Sigmoid(ai) * b[i]);
+      SwiGluForwardLoop(gate.data<float>(), up.data<float>(), n, F32Out{y.data<float>()});
+    } else {
+      SwiGluForwardLoop(FloatIn(gate), FloatIn(up), n, FloatOut(y));  // [N, F] each
     }
     return absl::OkStatus();
   }
@@ -208,20 +209,11 @@ class CpuModelKernels final : public ModelKernels {
     SMAT_ASSIGN_OR_RETURN(RowsCols nf, CheckSwiGluBackward(gate, up, dy, d_gate, d_up, kHost));
     const int64_t n = nf.rows * nf.cols;
     if (AllF32({&gate, &up, &dy, &d_gate, &d_up})) {
-      SwiGluBackwardRows(gate.data<float>(), up.data<float>(), dy.data<float>(), n,
-                         d_gate.data<float>(), d_up.data<float>());
-      return absl::OkStatus();
-    }
-    const FloatIn a(gate);               // [N, F]
-    const FloatIn b(up);                 // [N, F]
-    const FloatIn g(dy);                 // [N, F]
-    const FloatOut ga(d_gate);           // [N, F]
-    const FloatOut gb(d_up);             // [N, F]
-    for (int64_t i = 0; i < n; ++i) {
-      const float ai = a[i], s = Sigmoid(ai);
-      const float gi = g[i], bi = b[i];  // read first: d_gate may alias dy
-      gb.Set(i, gi * ai * s);
-      ga.Set(i, gi * bi * s * (1.f + ai * (1.f - s)));  // silu'(a) = s (1 + a (1 - s))
+      SwiGluBackwardLoop(gate.data<float>(), up.data<float>(), dy.data<float>(), n,
+                         F32Out{d_gate.data<float>()}, F32Out{d_up.data<float>()});
+    } else {
+      SwiGluBackwardLoop(FloatIn(gate), FloatIn(up), FloatIn(dy), n, FloatOut(d_gate),
+                         FloatOut(d_up));  // [N, F] each
     }
     return absl::OkStatus();
   }
