@@ -116,28 +116,42 @@ std::string PhysicalGpu(int device, const std::string& visible_devices) {
   return absl::StrCat(device);
 }
 
-int CpuThreadsPerRank(const EnvironmentLookup& lookup, int local_size, int allowed_cpus,
-                      int host_cpus) {
+int CpuThreadsPerRank(const EnvironmentLookup& lookup, int ranks_sharing_cpus, int allowed_cpus) {
   for (const char* name : {"OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"}) {
     if (lookup(name) != nullptr) return 0;
   }
-  if (local_size <= 1 || host_cpus <= 0 || allowed_cpus < host_cpus) return 0;
-  return std::max(1, host_cpus / local_size);
+  if (ranks_sharing_cpus <= 1 || allowed_cpus <= 0) return 0;
+  return std::max(1, allowed_cpus / ranks_sharing_cpus);
+}
+
+std::string FormatCpuList(const std::vector<int>& cpus) {
+  std::string s;
+  for (size_t i = 0; i < cpus.size();) {
+    size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    if (!s.empty()) s += ",";
+    absl::StrAppend(&s, cpus[i]);
+    if (j > i) absl::StrAppend(&s, "-", cpus[j]);
+    i = j + 1;
+  }
+  return s.empty() ? "-" : s;
 }
 
 std::string FormatPlacementTable(const std::vector<RankPlacement>& ranks,
                                  const std::string& launcher) {
   std::set<std::string> hosts;
-  size_t host_width = 4;
+  size_t host_width = 4, cpus_width = 4;
   for (const RankPlacement& r : ranks) {
     hosts.insert(r.host);
     host_width = std::max(host_width, r.host.size());
+    cpus_width = std::max(cpus_width, r.cpus.size());
   }
   std::string s = absl::StrCat(
       "smat: ", ranks.size(), ranks.size() == 1 ? " rank" : " ranks", " launched by ",
       launcher.empty() ? "MPI (local ranks from MPI_Comm_split_type)" : launcher, " on ",
       hosts.size(), hosts.size() == 1 ? " host" : " hosts", "\n");
-  absl::StrAppendFormat(&s, "  %4s  %-*s  %5s  %s", "rank", host_width, "host", "local", "gpu");
+  absl::StrAppendFormat(&s, "  %4s  %-*s  %5s  %-*s  %s", "rank", host_width, "host", "local",
+                        cpus_width, "cpus", "gpu");
   for (const RankPlacement& r : ranks) {
     std::string gpu = "cpu";
     if (r.gpu >= 0) {
@@ -146,8 +160,8 @@ std::string FormatPlacementTable(const std::vector<RankPlacement>& ranks,
         absl::StrAppend(&gpu, " (physical ", r.physical_gpu, ")");
       }
     }
-    absl::StrAppendFormat(&s, "\n  %4d  %-*s  %5d  %s", r.rank, host_width, r.host, r.local_rank,
-                          gpu);
+    absl::StrAppendFormat(&s, "\n  %4d  %-*s  %5d  %-*s  %s", r.rank, host_width, r.host,
+                          r.local_rank, cpus_width, r.cpus, gpu);
   }
   return s;
 }

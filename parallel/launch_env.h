@@ -61,19 +61,23 @@ int GpuForLocalRank(int local_rank, const std::string& visible_devices);
 std::string PhysicalGpu(int device, const std::string& visible_devices);
 
 // The threads a rank's CPU products (OpenBLAS) should run on, or 0 to leave
-// OpenBLAS's own choice:
+// OpenBLAS's own choice (one thread per CPU the rank may run on):
 // - 0 where OPENBLAS_NUM_THREADS, GOTO_NUM_THREADS or OMP_NUM_THREADS is set
 //   (OpenBLAS reads them itself: the user's choice stands);
-// - 0 where the launcher bound the rank to some of its host's CPUs
-//   (allowed_cpus < host_cpus): OpenBLAS then counts only those;
-// - else, where local_size ranks share the host, host_cpus / local_size (at
-//   least 1). Unbound, each rank's OpenBLAS would start a thread per CPU of
-//   the host, and the ranks' spinning waits would take the CPUs from each
+// - 0 where no other rank of the host may run on exactly this rank's CPUs
+//   (ranks_sharing_cpus <= 1, this rank counted: bound to CPUs of its own);
+// - else allowed_cpus / ranks_sharing_cpus, at least 1. Ranks that share a set
+//   of CPUs (mpirun --bind-to none: the whole host; Open MPI's default binding
+//   of more than two ranks: a socket each) would otherwise each start a thread
+//   per CPU of the set, and their spinning waits would take the CPUs from each
 //   other's work (torchrun sets OMP_NUM_THREADS=1 for the same reason). With
-//   two ranks on two CPUs (make demo) a step took 123-200 ms on two threads a
-//   rank, 110-114 on one.
-int CpuThreadsPerRank(const EnvironmentLookup& lookup, int local_size, int allowed_cpus,
-                      int host_cpus);
+//   two unbound ranks on two CPUs (make demo) a step took 123-200 ms on two
+//   threads a rank, 110-114 on one.
+int CpuThreadsPerRank(const EnvironmentLookup& lookup, int ranks_sharing_cpus, int allowed_cpus);
+
+// CPU numbers as ranges: {0, 1, 2, 3, 8, 10, 11} -> "0-3,8,10-11"; none -> "-".
+// `cpus` ascending.
+std::string FormatCpuList(const std::vector<int>& cpus);
 
 // One rank's placement, for the table rank 0 prints at start.
 struct RankPlacement {
@@ -82,13 +86,14 @@ struct RankPlacement {
   int local_rank = 0;
   int gpu = -1;              // CUDA device the rank uses; -1: CPU
   std::string physical_gpu;  // PhysicalGpu(gpu, ...), "" on CPU
+  std::string cpus;          // the CPUs it may run on (FormatCpuList)
 };
 
 // The table, one line per rank, with a header naming the launcher:
 //   smat: 4 ranks launched by Open MPI on 2 hosts
-//     rank  host    local  gpu
-//        0  node-a      0  cuda:0
-//        1  node-a      1  cuda:1 (physical 3)
+//     rank  host    local  cpus   gpu
+//        0  node-a      0  0-15   cuda:0
+//        1  node-a      1  16-31  cuda:1 (physical 3)
 std::string FormatPlacementTable(const std::vector<RankPlacement>& ranks,
                                  const std::string& launcher);
 

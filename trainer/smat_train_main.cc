@@ -10,7 +10,6 @@
 // so a bad config, a missing or damaged data file or an impossible shape stops
 // every rank with its message and exit code 2, never one rank hanging in a
 // collective. Exit codes: core/exit_codes.h.
-#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -129,21 +128,18 @@ absl::Status BuildGroupAndBackend(Setup& s) {
   return absl::OkStatus();
 }
 
-// Where CPU ranks share a host, their BLAS threads share its CPUs
+// Where CPU ranks share a set of CPUs, their BLAS threads share them
 // (CpuThreadsPerRank). Returns the line to print, "" where OpenBLAS keeps its
 // own choice.
-std::string ShareCpusAmongRanks(const ProcessGroup& pg) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int allowed = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
-  const int host = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  const int threads = CpuThreadsPerRank(std::getenv, pg.local_size(), allowed, host);
+std::string ShareCpusAmongRanks(const PlacementReport& placement) {
+  const int threads =
+      CpuThreadsPerRank(std::getenv, placement.ranks_sharing_cpus, placement.allowed_cpus);
   if (threads == 0) return "";
   SetCpuBlasThreads(threads);
   return absl::StrFormat(
-      "smat: BLAS on %d thread%s per rank: %d ranks share the %d CPUs of rank 0's host "
+      "smat: BLAS on %d thread%s per rank: %d ranks share rank 0's %d CPUs "
       "(OPENBLAS_NUM_THREADS chooses)",
-      threads, threads == 1 ? "" : "s", pg.local_size(), host);
+      threads, threads == 1 ? "" : "s", placement.ranks_sharing_cpus, placement.allowed_cpus);
 }
 
 std::string DescribeRun(const Setup& s) {
@@ -284,12 +280,12 @@ int Main(int argc, char** argv) {
   if (!st.ok()) return fail(st);
   // The rank -> host -> GPU table, after checking the launcher's environment
   // (Open MPI, Slurm) against MPI's world (parallel/rank_placement.h).
-  absl::StatusOr<std::string> placement = DescribeRankPlacement(**control, *s.pg, std::getenv);
+  absl::StatusOr<PlacementReport> placement = DescribeRankPlacement(**control, *s.pg, std::getenv);
   if (!placement.ok()) return fail(placement.status());
   ProgressPrinter progress(stdout, rank == 0);
-  progress.Line(*placement);
+  progress.Line(placement->table);
   if (s.backend->device().is_cpu()) {
-    const std::string blas = ShareCpusAmongRanks(*s.pg);
+    const std::string blas = ShareCpusAmongRanks(*placement);
     if (!blas.empty()) progress.Line(blas);
   }
 

@@ -126,43 +126,53 @@ TEST(LaunchEnvTest, GpuFollowsLocalRankUnlessOneIsVisible) {
 
 TEST(LaunchEnvTest, PlacementTable) {
   std::vector<RankPlacement> rows = {
-      {0, "node-a", 0, 0, "0"},
-      {1, "node-a", 1, 1, "3"},
-      {2, "b", 0, -1, ""},
+      {0, "node-a", 0, 0, "0", "0-15"},
+      {1, "node-a", 1, 1, "3", "16-31"},
+      {2, "b", 0, -1, "", "0,2"},
   };
   EXPECT_EQ(FormatPlacementTable(rows, "Open MPI"),
             "smat: 3 ranks launched by Open MPI on 2 hosts\n"
-            "  rank  host    local  gpu\n"
-            "     0  node-a      0  cuda:0\n"
-            "     1  node-a      1  cuda:1 (physical 3)\n"
-            "     2  b           0  cpu");
-  EXPECT_EQ(FormatPlacementTable({{0, "h", 0, -1, ""}}, ""),
+            "  rank  host    local  cpus   gpu\n"
+            "     0  node-a      0  0-15   cuda:0\n"
+            "     1  node-a      1  16-31  cuda:1 (physical 3)\n"
+            "     2  b           0  0,2    cpu");
+  EXPECT_EQ(FormatPlacementTable({{0, "h", 0, -1, "", "0"}}, ""),
             "smat: 1 rank launched by MPI (local ranks from MPI_Comm_split_type) on 1 host\n"
-            "  rank  host  local  gpu\n"
-            "     0  h         0  cpu");
+            "  rank  host  local  cpus  gpu\n"
+            "     0  h         0  0     cpu");
 }
 
-TEST(LaunchEnvTest, CpuThreadsShareAnUnboundHost) {
-  // Two ranks on a 2-CPU host, not bound: one thread each.
-  EXPECT_EQ(CpuThreadsPerRank(Env({}), /*local_size=*/2, /*allowed_cpus=*/2, /*host_cpus=*/2), 1);
-  // Four ranks on 16 CPUs: four each; three on 16: five each (rounded down).
-  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 16, 16), 4);
-  EXPECT_EQ(CpuThreadsPerRank(Env({}), 3, 16, 16), 5);
+TEST(LaunchEnvTest, CpuListsAsRanges) {
+  EXPECT_EQ(FormatCpuList({0, 1, 2, 3, 8, 10, 11}), "0-3,8,10-11");
+  EXPECT_EQ(FormatCpuList({5}), "5");
+  EXPECT_EQ(FormatCpuList({0, 2, 4}), "0,2,4");
+  EXPECT_EQ(FormatCpuList({0, 1}), "0-1");
+  EXPECT_EQ(FormatCpuList({}), "-");
+}
+
+TEST(LaunchEnvTest, CpuThreadsShareTheRanksCpus) {
+  // Two unbound ranks on a 2-CPU host: one thread each.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), /*ranks_sharing_cpus=*/2, /*allowed_cpus=*/2), 1);
+  // Four on 16 CPUs: four each; three on 16: five each (rounded down).
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 16), 4);
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 3, 16), 5);
+  // Two ranks bound to the same 8-CPU socket: four each.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 2, 8), 4);
   // More ranks than CPUs: still one thread.
-  EXPECT_EQ(CpuThreadsPerRank(Env({}), 8, 2, 2), 1);
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 8, 2), 1);
 }
 
 TEST(LaunchEnvTest, CpuThreadsLeftAloneWhereTheyNeedNoShare) {
-  // One rank on the host: OpenBLAS's own choice (every CPU).
-  EXPECT_EQ(CpuThreadsPerRank(Env({}), 1, 16, 16), 0);
-  // Bound by the launcher to some CPUs: OpenBLAS counts only those.
-  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 4, 16), 0);
-  // The CPU count unknown.
-  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 0, 0), 0);
+  // No other rank on these CPUs (one rank, or bound to CPUs of its own):
+  // OpenBLAS's own choice, which counts the CPUs the rank may use.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 1, 16), 0);
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 0, 16), 0);
+  // The affinity could not be read.
+  EXPECT_EQ(CpuThreadsPerRank(Env({}), 4, 0), 0);
   // The user chose: any of OpenBLAS's variables, whatever its value.
-  EXPECT_EQ(CpuThreadsPerRank(Env({{"OPENBLAS_NUM_THREADS", "2"}}), 2, 2, 2), 0);
-  EXPECT_EQ(CpuThreadsPerRank(Env({{"GOTO_NUM_THREADS", "2"}}), 2, 2, 2), 0);
-  EXPECT_EQ(CpuThreadsPerRank(Env({{"OMP_NUM_THREADS", "8"}}), 4, 16, 16), 0);
+  EXPECT_EQ(CpuThreadsPerRank(Env({{"OPENBLAS_NUM_THREADS", "2"}}), 2, 2), 0);
+  EXPECT_EQ(CpuThreadsPerRank(Env({{"GOTO_NUM_THREADS", "2"}}), 2, 2), 0);
+  EXPECT_EQ(CpuThreadsPerRank(Env({{"OMP_NUM_THREADS", "8"}}), 4, 16), 0);
 }
 
 }  // namespace

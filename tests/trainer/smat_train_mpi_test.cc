@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -65,6 +66,13 @@ TEST(SmatTrainCli, ShortRunPrintsProgressAndAccuracy) {
   // Rank 0's placement table (parallel/rank_placement.h), one row per rank.
   EXPECT_TRUE(absl::StrContains(out, "smat: 2 ranks launched by")) << out;
   EXPECT_TRUE(absl::StrContains(out, "rank  host")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "local  cpus  ")) << out;
+  // Two ranks unbound (--bind-to none) share the host's CPUs among their
+  // BLAS threads (parallel/launch_env.h CpuThreadsPerRank), unless told.
+  const bool told = std::getenv("OPENBLAS_NUM_THREADS") != nullptr ||
+                    std::getenv("GOTO_NUM_THREADS") != nullptr ||
+                    std::getenv("OMP_NUM_THREADS") != nullptr;
+  EXPECT_EQ(absl::StrContains(out, "per rank: 2 ranks share rank 0's "), !told) << out;
   EXPECT_TRUE(absl::StrContains(out, "step 2/4  loss")) << out;
   EXPECT_TRUE(absl::StrContains(out, "step 4/4  loss")) << out;
   EXPECT_TRUE(absl::StrContains(out, "eval 4/4  loss")) << out;
