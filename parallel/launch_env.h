@@ -68,9 +68,10 @@ std::string PhysicalGpu(int device, const std::string& visible_devices);
 //   (ranks_sharing_cpus <= 1, this rank counted: bound to CPUs of its own);
 // - else allowed_cpus / ranks_sharing_cpus, at least 1. Ranks that share a set
 //   of CPUs (mpirun --bind-to none: the whole host; Open MPI's default binding
-//   of more than two ranks: a socket each) would otherwise each start a thread
-//   per CPU of the set, and their spinning waits would take the CPUs from each
-//   other's work (torchrun sets OMP_NUM_THREADS=1 for the same reason). With
+//   of more than two ranks: a socket or NUMA domain, several ranks to each)
+//   would otherwise each start a thread per CPU of the set, and their
+//   spinning waits would take the CPUs from each other's work (torchrun sets
+//   OMP_NUM_THREADS=1 for the same reason). With
 //   two unbound ranks on two CPUs (make demo) a step took 123-200 ms on two
 //   threads a rank, 110-114 on one.
 int CpuThreadsPerRank(const EnvironmentLookup& lookup, int ranks_sharing_cpus, int allowed_cpus);

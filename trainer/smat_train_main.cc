@@ -278,8 +278,10 @@ int Main(int argc, char** argv) {
   st = BuildGroupAndBackend(s);
   st = AgreeOnSetup(**control, st, "process group and device set-up");
   if (!st.ok()) return fail(st);
-  // The rank -> host -> GPU table, after checking the launcher's environment
-  // (Open MPI, Slurm) against MPI's world (parallel/rank_placement.h).
+  // The rank -> host -> CPUs -> GPU table, after checking the launcher's
+  // environment (Open MPI, Slurm) against MPI's world
+  // (parallel/rank_placement.h); CPU ranks that share CPUs share them among
+  // their BLAS threads.
   absl::StatusOr<PlacementReport> placement = DescribeRankPlacement(**control, *s.pg, std::getenv);
   if (!placement.ok()) return fail(placement.status());
   ProgressPrinter progress(stdout, rank == 0);
